@@ -1,0 +1,131 @@
+"""EngineConfig: one frozen dataclass tree, built once (from CLI flags or LLM kwargs), passed down.
+
+Field names equal the CLI flag names (`max_num_seqs` <-> `--max-num-seqs`), which
+follow vLLM's where the concept is the same.
+"""
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = str(Path(__file__).parent / "default_model")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = DEFAULT_MODEL_DIR
+    tokenizer: str | None = None  # defaults to the model folder
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    load_format: str = "auto"  # auto | safetensors | dummy
+    max_model_len: int | None = None
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    # CPU has no profiling run: the KV cache gets this many bytes unless blocks are overridden.
+    kv_cache_memory_bytes: int = 1 << 30
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    all2all_backend: str = "none"  # none | naive | a2a | ipc | mori
+    moe_experts: str = "auto"  # auto | triton | torch | aiter
+    expert_placement_strategy: str = "linear"  # linear | round_robin
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """vLLM's --kv-transfer-config JSON: kv_connector, kv_role, kv_connector_extra_config."""
+
+    kv_connector: str | None = None
+    kv_role: str | None = None  # kv_producer | kv_consumer | kv_both
+    kv_connector_extra_config: dict = field(default_factory=dict)
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_connector is not None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+
+    @classmethod
+    def create(cls, **kwargs) -> "EngineConfig":
+        """Build from flat field names (CLI names with '_'); unknown names are an error."""
+        sections = {}
+        for f in dataclasses.fields(cls):
+            sub = f.default_factory
+            names = {sf.name for sf in dataclasses.fields(sub)}
+            sections[f.name] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+        if kwargs:
+            raise TypeError(f"unknown engine options: {sorted(kwargs)}")
+        return cls(**sections)
+
+
+def _flag_type(f: dataclasses.Field):
+    t = str(f.type)
+    if "tuple" in t:
+        return lambda s: tuple(int(x) for x in s.split(","))
+    if "dict" in t:
+        return json.loads
+    if "int" in t:
+        return int
+    if "float" in t:
+        return float
+    return str
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (`--kv-transfer-config` takes vLLM's JSON)."""
+    for section in dataclasses.fields(EngineConfig):
+        if section.name == "kv_transfer":
+            continue
+        group = parser.add_argument_group(section.name)
+        for f in dataclasses.fields(section.default_factory):
+            flag = "--" + f.name.replace("_", "-")
+            if str(f.type) == "bool" or f.type is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            else:
+                group.add_argument(flag, type=_flag_type(f), default=None)
+    parser.add_argument("--kv-transfer-config", type=json.loads, default=None,
+                        help='JSON, e.g. {"kv_connector": "TandemConnector", "kv_role": "kv_producer"}')
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The one place CLI flags become an EngineConfig (unset flags keep the defaults)."""
+    kwargs = {k: v for k, v in vars(args).items() if v is not None}
+    known = {sf.name for s in dataclasses.fields(EngineConfig) for sf in dataclasses.fields(s.default_factory)}
+    kwargs = {k: v for k, v in kwargs.items() if k in known}
+    if args.kv_transfer_config:
+        kwargs.update(args.kv_transfer_config)
+    return EngineConfig.create(**kwargs)

@@ -1,0 +1,82 @@
+"""EngineCore: the in-process engine (scheduler + KV blocks + model runner), driven by step().
+
+The offline LLM and the server's engine-core process both wrap this class.
+"""
+import logging
+import time
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.loader import eos_token_ids, load_hf_config
+from engine.model_runner import ModelRunner
+from engine.protocol import EngineRequest, RequestOutput, SchedulerStats
+from engine.request import Request
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.hf_config = load_hf_config(config.model.model)
+        max_pos = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(config.model.max_model_len or max_pos, max_pos)
+        self.vocab_size = self.hf_config.vocab_size
+        self.eos_token_ids = eos_token_ids(config.model.model, self.hf_config)
+        self.tokenizer_path = config.model.tokenizer or config.model.model
+        self.runner = ModelRunner(config, self.hf_config, self.max_model_len)
+        self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size,
+                                   config.cache.enable_prefix_caching)
+        self.connector = None
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, self.eos_token_ids)
+        logger.info("engine ready: %s, max_model_len=%d, %d KV blocks", type(self.runner.model).__name__,
+                    self.max_model_len, self.blocks.num_blocks)
+
+    def set_connector(self, connector) -> None:
+        """Attach a KV connector's scheduler side (PD disaggregation)."""
+        self.connector = connector
+        self.scheduler.connector = connector
+
+    def validate(self, req: EngineRequest) -> int:
+        """Raise ValueError for a request the engine cannot serve; return its resolved max_tokens."""
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range for a vocabulary of {self.vocab_size}")
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        max_tokens = req.sampling_params.max_tokens
+        if n + (max_tokens or 1) > self.max_model_len:
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                             f"has {n} tokens and {max_tokens or 1} more were requested")
+        if -(-(n + (max_tokens or 1)) // self.blocks.block_size) > self.blocks.num_blocks:
+            raise ValueError(f"the request needs more KV cache blocks than the engine has ({self.blocks.num_blocks})")
+        return max_tokens if max_tokens is not None else self.max_model_len - n
+
+    def add_request(self, req: EngineRequest) -> None:
+        max_tokens = self.validate(req)
+        self.scheduler.add_request(Request(
+            req.request_id, req.prompt_token_ids, req.sampling_params, req.arrival_time or time.time(),
+            req.kv_transfer_params, max_tokens, device=str(self.runner.device)))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        sampled, prompt_logprobs = {}, {}
+        if out.scheduled:
+            sampled, prompt_logprobs = self.runner.execute(out, self.eos_token_ids)
+        return self.scheduler.update(out, sampled, prompt_logprobs)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        self.scheduler.abort_requests(list(self.scheduler.requests))

@@ -1,0 +1,95 @@
+"""Hugging Face model folders -> configs and weights (safetensors, single or sharded), or
+random weights of the config's shape (load_format="dummy")."""
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+
+def load_hf_config(model_dir: str):
+    from transformers import AutoConfig
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path / 'config.json'} not found: --model must be a Hugging Face model folder "
+                                f"(config.json, *.safetensors, tokenizer files)")
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"{path / 'config.json'}: cannot be read as a transformers config: {e}") from e
+
+
+def eos_token_ids(model_dir: str, hf_config) -> set[int]:
+    """EOS ids from generation_config.json when present (it may list several), else config.json."""
+    ids = None
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        ids = json.loads(gen.read_text()).get("eos_token_id")
+    if ids is None:
+        ids = getattr(hf_config, "eos_token_id", None)
+    if ids is None:
+        return set()
+    return set(ids) if isinstance(ids, list) else {ids}
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shards that are missing: {', '.join(missing)}")
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir} (use load_format='dummy' for random weights)")
+    return files
+
+
+def _default_loader(param: torch.nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def load_weights(model: torch.nn.Module, model_dir: str) -> None:
+    """Copy every checkpoint tensor into its parameter; every parameter must be covered."""
+    params = dict(model.named_parameters())
+    covered: set[str] = set()
+    files = _safetensors_files(Path(model_dir))
+    for file in tqdm(files, desc="Loading weights", unit="file", disable=len(files) < 2):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                target = model.map_checkpoint_name(name)
+                if target is None:
+                    continue
+                pname, shard = target
+                param = params.get(pname)
+                if param is None:
+                    raise ValueError(f"{file.name}: tensor {name!r} has no matching parameter in "
+                                     f"{type(model).__name__} (is config.json's architecture right?)")
+                try:
+                    getattr(param, "weight_loader", _default_loader)(param, f.get_tensor(name).to(param.dtype), shard)
+                except ValueError as e:
+                    raise ValueError(f"{file.name}: tensor {name!r}: {e}") from e
+                covered.add(pname)
+    missing = sorted(set(params) - covered)
+    if missing:
+        raise ValueError(f"{model_dir}: checkpoint has no tensors for {len(missing)} parameters, e.g. "
+                         f"{', '.join(missing[:5])}")
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Random weights of the right shapes (performance work without downloads)."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.data.fill_(1.0)
+            continue
+        gen = gens.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
+        param.data.normal_(0.0, 0.02, generator=gen)

@@ -1,0 +1,195 @@
+"""Owns the model and its KV cache on one device; turns a SchedulerOutput into sampled tokens.
+
+Per step it flattens the scheduled requests into one batch (input ids, positions,
+slot mapping, block tables), runs the model, computes logits only at the rows
+that need them (the last token of a request that is due a new token, and prompt
+positions whose logprobs were asked for) and samples.
+"""
+import contextlib
+import logging
+
+import torch
+
+from engine.config import EngineConfig
+from engine.forward_context import ForwardContext
+from engine.loader import init_dummy_weights, load_weights
+from engine.models import model_class
+from engine.protocol import TokenLogprobs
+from engine.sampler import SamplingBatch, sample, token_logprobs
+from engine.scheduler import SampledToken, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; expected auto, {', '.join(_DTYPES)}")
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls in half precision are slow and inexact
+    cfg_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    cfg_dtype = _DTYPES.get(cfg_dtype, cfg_dtype) if isinstance(cfg_dtype, str) else cfg_dtype
+    return cfg_dtype if cfg_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config, max_model_len: int):
+        self.config = config
+        self.hf_config = hf_config
+        self.max_model_len = max_model_len
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, hf_config, self.device)
+        self.vocab_size = hf_config.vocab_size
+        self.block_size = config.cache.block_size
+        torch.manual_seed(config.model.seed)
+        with torch.device(self.device), _default_dtype(self.dtype):
+            self.model = model_class(hf_config)(hf_config, config.parallel)
+        if config.model.load_format == "dummy":
+            init_dummy_weights(self.model, config.model.seed)
+        else:
+            load_weights(self.model, config.model.model)
+        self.model.eval()
+        self.num_blocks = self._num_kv_blocks()
+        self._allocate_kv_cache()
+        # Called after each layer stores its KV (set by a KV connector in write mode).
+        self.on_layer_stored = None
+
+    # ---- KV cache ------------------------------------------------------------------------
+
+    @property
+    def attention_layers(self):
+        return [m.self_attn.attn for m in self.model.model.layers]
+
+    def kv_bytes_per_block(self) -> int:
+        a = self.attention_layers[0]
+        return 2 * len(self.attention_layers) * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            budget = self._profile_free_memory()
+        else:
+            budget = cache.kv_cache_memory_bytes
+        num = budget // self.kv_bytes_per_block()
+        if num * self.block_size < self.max_model_len:
+            raise ValueError(f"the KV cache holds {num * self.block_size} tokens, fewer than max_model_len="
+                             f"{self.max_model_len}: raise --gpu-memory-utilization / --kv-cache-memory-bytes "
+                             f"or lower --max-model-len")
+        return int(num)
+
+    def _profile_free_memory(self) -> int:
+        """Bytes left for the KV cache after weights and a full-budget forward pass."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        self._dummy_forward(n)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory other processes hold counts against us; our own peak is what we will reuse.
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        return int(total * self.config.cache.gpu_memory_utilization - used_by_others - peak)
+
+    def _dummy_forward(self, num_tokens: int) -> None:
+        a = self.attention_layers[0]
+        for attn in self.attention_layers:
+            attn.k_cache = attn.v_cache = torch.zeros(
+                -(-num_tokens // self.block_size), self.block_size, a.num_kv_heads, a.head_dim,
+                dtype=self.dtype, device=self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        ctx = ForwardContext(
+            slot_mapping=torch.arange(num_tokens, device=self.device),
+            block_tables=torch.arange(-(-num_tokens // self.block_size), dtype=torch.int32,
+                                      device=self.device)[None],
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            max_query_len=num_tokens, max_seq_len=num_tokens)
+        with torch.inference_mode():
+            hidden = self.model(ids, torch.arange(num_tokens, device=self.device), ctx)
+            self.model.compute_logits(hidden[-min(num_tokens, self.config.scheduler.max_num_seqs):])
+        for attn in self.attention_layers:
+            attn.k_cache = attn.v_cache = torch.tensor([])
+
+    def _allocate_kv_cache(self) -> None:
+        a = self.attention_layers[0]
+        # [k|v, layer, block, slot, kv head, head dim]: one tensor the KV connectors can register once.
+        self.kv_cache = torch.zeros(2, len(self.attention_layers), self.num_blocks, self.block_size,
+                                    a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.attention_layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s on %s)", self.num_blocks, self.block_size,
+                    self.kv_cache.numel() * self.dtype.itemsize / 2**30, self.dtype, self.device)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, eos_token_ids: set[int]
+                ) -> tuple[dict[str, SampledToken], dict[str, list[TokenLogprobs]]]:
+        bs = self.block_size
+        input_ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
+        sample_rows, sample_reqs = [], []
+        prompt_rows: list[tuple] = []  # (request, first row, first target index, count)
+        for req, n in out.scheduled:
+            start = req.num_computed_tokens
+            row0 = len(input_ids)
+            input_ids.extend(req.all_token_ids[start:start + n])
+            pos = range(start, start + n)
+            positions.extend(pos)
+            slots.extend(req.block_ids[p // bs] * bs + p % bs for p in pos)
+            qsl.append(len(input_ids))
+            seq_lens.append(start + n)
+            if start + n == req.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sample_reqs.append(req)
+            if req.wants_prompt_logprobs:
+                # Row r predicts token r + 1; fill the prompt positions not yet produced.
+                first = max(len(req.prompt_logprobs), start + 1)
+                last = min(start + n, req.num_prompt_tokens - 1)
+                if last >= first:
+                    prompt_rows.append((req, row0 + first - 1 - start, first, last - first + 1))
+        max_blocks = max(len(r.block_ids) for r, _ in out.scheduled)
+        tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r, _ in out.scheduled]
+        dev = self.device
+        ctx = ForwardContext(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            max_query_len=max(n for _, n in out.scheduled), max_seq_len=max(seq_lens),
+            on_layer_stored=self.on_layer_stored)
+        hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), ctx)
+        sampled = {}
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[sample_rows]).float()
+            batch = SamplingBatch.build(sample_reqs, self.vocab_size, dev)
+            tokens, logprobs = sample(logits, batch, eos_token_ids)
+            for i, (req, tok) in enumerate(zip(sample_reqs, tokens.tolist())):
+                sampled[req.request_id] = SampledToken(tok, logprobs[i] if logprobs else None)
+        prompt_logprobs = {}
+        for req, row, first, count in prompt_rows:
+            logits = self.model.compute_logits(hidden[row:row + count]).float()
+            targets = torch.tensor(req.all_token_ids[first:first + count], device=dev)
+            prompt_logprobs[req.request_id] = token_logprobs(
+                logits.log_softmax(dim=-1), targets, req.params.prompt_logprobs)
+        return sampled, prompt_logprobs

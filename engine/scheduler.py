@@ -1,0 +1,264 @@
+"""Continuous batching with one token budget per step.
+
+Each step: running requests first (decodes before unfinished prefills), then
+waiting ones, until `max_num_batched_tokens` or `max_num_seqs` is reached; long
+prompts are chunked. When blocks run out, the newest running request is
+preempted (blocks freed, recomputed later). A KV connector, when present, is
+asked at fixed points: on admission (are prompt tokens coming from a remote
+instance?), once per step (which transfers finished?), and on finish (hold the
+blocks until a transfer completes?).
+"""
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.protocol import RequestOutput, SchedulerStats, TokenLogprobs
+from engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerConnector(Protocol):
+    """The scheduler side of a KV connector (see connectors/)."""
+
+    def num_remote_tokens(self, req: Request, num_local_computed: int) -> int:
+        """Prompt tokens past num_local_computed whose KV will arrive from a remote instance."""
+
+    def on_blocks_allocated(self, req: Request, num_remote_tokens: int) -> None:
+        """req now owns blocks for those tokens; start (or announce) the transfer."""
+
+    def poll(self) -> tuple[set[str], dict[str, str], set[str]]:
+        """(ids whose remote KV landed, {id: error} for failed receives, ids whose sends finished)."""
+
+    def on_request_finished(self, req: Request) -> tuple[bool, dict | None]:
+        """(keep blocks until a send completes?, kv_transfer_params for the client)."""
+
+
+@dataclass
+class SchedulerOutput:
+    """Requests to run this step and how many new tokens each; decodes first."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int,
+                 eos_token_ids: set[int], connector: SchedulerConnector | None = None):
+        self.config = config
+        self.blocks = blocks
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.connector = connector
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.sending: dict[str, Request] = {}  # finished, blocks held for a KV send
+        self.pending_outputs: list[RequestOutput] = []
+        self.num_preempted_total = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort_requests(self, request_ids) -> None:
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def fail_request(self, req: Request, message: str) -> None:
+        req.error = message
+        self._finish(req, RequestStatus.FINISHED_ERROR)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.pending_outputs)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """Move req to a finished state, free (or hold for a send) its blocks, queue its output."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif not req.status.finished:
+            self.waiting.remove(req)
+        req.status = status
+        del self.requests[req.request_id]
+        kv_params = None
+        hold = False
+        if self.connector is not None:
+            hold, kv_params = self.connector.on_request_finished(req)
+        if hold:
+            self.sending[req.request_id] = req
+        else:
+            self.blocks.free_blocks(req.block_ids)
+            req.block_ids = []
+        req.kv_transfer_params_out = kv_params
+        # Stops and length limits are reported with their last token by update().
+        if status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.pending_outputs.append(self._output(req, [], None, kv_params))
+
+    # ---- scheduling ----------------------------------------------------------------------
+
+    def _poll_connector(self) -> None:
+        landed, failed, sent = self.connector.poll()
+        for rid in sent:
+            req = self.sending.pop(rid, None)
+            if req is not None:
+                self.blocks.free_blocks(req.block_ids)
+                req.block_ids = []
+        for req in list(self.waiting):
+            if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            if req.request_id in failed:
+                self.fail_request(req, failed[req.request_id])
+            elif req.request_id in landed:
+                req.num_computed_tokens = req.remote_computed_tokens
+                self.blocks.cache_full_blocks(req)
+                req.status = RequestStatus.WAITING
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.free_blocks(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preempted_total += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> SchedulerOutput:
+        if self.connector is not None:
+            self._poll_connector()
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        # Decodes first, then unfinished prefills (chunks), oldest first within each.
+        self.running.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.arrival_time))
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING or budget == 0:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.blocks.allocate(req, n):
+                victim = max(self.running, key=lambda r: r.arrival_time)
+                out.scheduled = [(r, k) for r, k in out.scheduled if r is not victim]
+                budget = self.config.max_num_batched_tokens - out.num_tokens
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append((req, n))
+                budget -= n
+        if preempted:
+            return out
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.popleft()
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                skipped.append(req)
+                continue
+            if not self._admit(req, budget, out):
+                self.waiting.appendleft(req)
+                break
+            budget = self.config.max_num_batched_tokens - out.num_tokens
+        self.waiting.extendleft(reversed(skipped))
+        return out
+
+    def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> bool:
+        """Try to start req (False: not now). Remote-KV requests only get blocks this step."""
+        fresh = req.num_computed_tokens == 0
+        cached = self.blocks.find_cached_prefix(req) if fresh else []
+        num_local = req.num_computed_tokens + len(cached) * self.blocks.block_size
+        num_remote = 0
+        if fresh and self.connector is not None:
+            num_remote = self.connector.num_remote_tokens(req, num_local)
+        if num_remote:
+            if not self.blocks.allocate(req, num_remote, cached):
+                return False
+            req.num_cached_tokens = len(cached) * self.blocks.block_size
+            req.remote_computed_tokens = num_local + num_remote
+            req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self.connector.on_blocks_allocated(req, num_remote)
+            self.waiting.append(req)
+            return True
+        n = req.num_tokens - num_local
+        if n > budget and not self.config.enable_chunked_prefill:
+            return False
+        n = min(n, budget)
+        if not self.blocks.allocate(req, n, cached):
+            return False
+        if fresh:
+            req.num_cached_tokens = len(cached) * self.blocks.block_size
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.scheduled.append((req, n))
+        return True
+
+    # ---- results -------------------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken],
+               prompt_logprobs: dict[str, list[TokenLogprobs | None]]) -> list[RequestOutput]:
+        """Apply one step's results: advance, append sampled tokens, check stops, emit deltas."""
+        outputs, self.pending_outputs = self.pending_outputs, []
+        for req, n in out.scheduled:
+            if req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += n
+            self.blocks.cache_full_blocks(req)
+            if req.request_id in prompt_logprobs:
+                req.prompt_logprobs.extend(prompt_logprobs[req.request_id])
+            tok = sampled.get(req.request_id)
+            if tok is None:
+                continue
+            send_prompt_logprobs = req.num_output_tokens == 0 and req.prompt_logprobs is not None
+            req.all_token_ids.append(tok.token_id)
+            status = self._check_stop(req, tok.token_id)
+            if status is not None:
+                self._finish(req, status)
+            outputs.append(self._output(
+                req, [tok.token_id], [tok.logprobs] if tok.logprobs else None, req.kv_transfer_params_out,
+                req.prompt_logprobs if send_prompt_logprobs else None))
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        # The sampler masks EOS and stop tokens until min_tokens, so no count check here.
+        p = req.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in p.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _output(self, req: Request, new_tokens: list[int], new_logprobs, kv_params,
+                prompt_logprobs=None) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=new_tokens, new_logprobs=new_logprobs,
+            prompt_logprobs=prompt_logprobs, finished=req.status.finished,
+            finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+            kv_transfer_params=kv_params, error=req.error)
+
+    def stats(self) -> SchedulerStats:
+        remote = sum(1 for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting) - remote,
+            num_waiting_for_remote_kvs=remote, num_preempted_total=self.num_preempted_total,
+            num_free_blocks=self.blocks.num_free_blocks, num_total_blocks=self.blocks.num_blocks,
+            kv_cache_usage=self.blocks.usage, prefix_cache_queries=self.blocks.prefix_queries,
+            prefix_cache_hits=self.blocks.prefix_hits)

@@ -1,0 +1,21 @@
+"""Compute kernels behind small Python functions.
+
+Each public function picks an implementation by device: Triton on CUDA/ROCm
+(when importable), the plain-torch reference otherwise. References live next to
+the dispatchers and are what the tests compare the fast paths against.
+This package imports nothing else of Tandem's.
+"""
+from kernels.activation import silu_and_mul
+from kernels.attention import paged_attention, store_kvcache
+from kernels.norm import fused_add_rms_norm, rms_norm
+from kernels.rotary import apply_rotary, build_cos_sin_cache
+
+__all__ = [
+    "apply_rotary",
+    "build_cos_sin_cache",
+    "fused_add_rms_norm",
+    "paged_attention",
+    "rms_norm",
+    "silu_and_mul",
+    "store_kvcache",
+]

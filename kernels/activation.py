@@ -1,0 +1,17 @@
+"""SiLU(gate) * up, the gated MLP activation."""
+import torch
+
+from kernels.backend import use_triton
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2 * d] laid out as [gate | up] -> [..., d]."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if use_triton(x):
+        from kernels.triton.activation import silu_and_mul_triton
+        return silu_and_mul_triton(x)
+    return silu_and_mul_ref(x)

@@ -1,0 +1,79 @@
+"""Attention over a paged KV cache.
+
+Layout (shared by every implementation and by the KV connectors):
+  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+  slot = block_id * block_size + offset_in_block
+
+One call serves prefill, chunked prefill and decode: a batch is a flat run of
+query tokens, sequence s owning q[query_start_loc[s]:query_start_loc[s+1]],
+which are the *last* tokens of its seq_lens[s] tokens of context (causal).
+"""
+import torch
+
+from kernels.backend import use_triton
+
+
+def store_kvcache_ref(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """key, value: [T, Hk, D]; slot_mapping: [T] int (negative = padding, not stored)."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[valid].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[valid].to(v_cache.dtype)
+
+
+def paged_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+    max_query_len: int | None = None, max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """q: [T, Hq, D]; block_tables: [S, max_blocks] int32; seq_lens: [S]; query_start_loc: [S+1].
+
+    Returns out: [T, Hq, D] in q.dtype. Softmax in float32. GQA when Hq > Hk.
+    """
+    num_heads, block_size = q.shape[1], k_cache.shape[1]
+    out = torch.empty_like(q)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for s, ctx_len in enumerate(lens):
+        q_s = q[starts[s]:starts[s + 1]]
+        q_len = q_s.shape[0]
+        if q_len == 0:
+            continue
+        num_blocks = -(-ctx_len // block_size)
+        blocks = block_tables[s, :num_blocks].long()
+        k = k_cache[blocks].flatten(0, 1)[:ctx_len].float()
+        v = v_cache[blocks].flatten(0, 1)[:ctx_len].float()
+        group = num_heads // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q_s.float(), k) * scale
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+        k_pos = torch.arange(ctx_len, device=q.device)
+        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[starts[s]:starts[s + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+def store_kvcache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    if use_triton(key):
+        from kernels.triton.attention import store_kvcache_triton
+        return store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping)
+    return store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+    max_query_len: int | None = None, max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """See module docstring. max_query_len / max_seq_len are upper bounds the GPU path may use
+    for launch grids; they must not be exceeded by the data."""
+    if use_triton(q):
+        from kernels.triton.attention import paged_attention_triton
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens,
+                                      query_start_loc, scale, max_query_len, max_seq_len)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)

@@ -1,0 +1,51 @@
+"""MoE router top-k and fused experts.
+
+Expert weights (one tensor per projection, experts stacked):
+  w13: [num_experts, 2 * intermediate, hidden]   rows laid out as [gate | up]
+  w2:  [num_experts, hidden, intermediate]
+"""
+import torch
+
+from kernels.activation import silu_and_mul_ref
+from kernels.backend import use_triton
+
+
+def topk_routing(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits: [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int32)."""
+    if scoring == "softmax":
+        scores = router_logits.float().softmax(dim=-1)
+    elif scoring == "sigmoid":
+        scores = router_logits.float().sigmoid()
+    else:
+        raise ValueError(f"unknown MoE scoring function {scoring!r}; expected 'softmax' or 'sigmoid'")
+    weights, ids = torch.topk(scores, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def fused_experts_ref(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """x: [T, H]; topk_ids index dim 0 of w13/w2 (negative ids are skipped: experts owned
+    elsewhere). Returns sum_k weight_k * expert_k(x): [T, H] in x.dtype."""
+    out = torch.zeros_like(x, dtype=torch.float32)
+    for e in torch.unique(topk_ids[topk_ids >= 0]).tolist():
+        token_idx, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        h = silu_and_mul_ref(x[token_idx] @ w13[e].t()) @ w2[e].t()
+        w = topk_weights[token_idx, slot].to(x.dtype)
+        out.index_add_(0, token_idx, (h * w[:, None]).float())
+    return out.to(x.dtype)
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    if use_triton(x):
+        from kernels.triton.moe import fused_experts_triton
+        return fused_experts_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_experts_ref(x, w13, w2, topk_weights, topk_ids)

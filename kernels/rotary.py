@@ -1,0 +1,41 @@
+"""Rotary position embedding, GPT-NeoX style (rotate halves), as in HF Llama/Qwen."""
+import torch
+
+from kernels.backend import use_triton
+
+
+def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0) -> torch.Tensor:
+    """inv_freq: [rot_dim / 2] -> cache: [max_positions, rot_dim] laid out as [cos | sin] (float32)."""
+    t = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
+    freqs = torch.outer(t, inv_freq.float())
+    return torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rot_dim = cos.shape[-1] * 2
+    xr, xpass = x[..., :rot_dim], x[..., rot_dim:]
+    x1, x2 = xr.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return torch.cat([out, xpass], dim=-1) if xpass.numel() else out
+
+
+def apply_rotary_ref(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [T]; q: [T, Hq, D]; k: [T, Hk, D]; cos_sin_cache: [max_pos, rot_dim].
+
+    Rotates the first rot_dim features of every head; returns new (q, k).
+    """
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def apply_rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as apply_rotary_ref; the Triton path may rotate q and k in place."""
+    if use_triton(q):
+        from kernels.triton.rotary import apply_rotary_triton
+        return apply_rotary_triton(positions, q, k, cos_sin_cache)
+    return apply_rotary_ref(positions, q, k, cos_sin_cache)
