@@ -1,0 +1,150 @@
+"""KV block accounting and request states: nothing leaks after completion, abort,
+preemption or a failed remote transfer; WAITING_FOR_REMOTE_KVS is skipped until its KV lands.
+Reference for the remote-KV scenario: the same engine's collocated output."""
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.block_manager import BlockManager
+from engine.protocol import EngineRequest
+from engine.request import Request, RequestStatus
+
+
+def test_prefix_cache_shares_and_evicts():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = Request("a", list(range(10)), SamplingParams())
+    assert bm.allocate(a, 10)
+    a.num_computed_tokens = 10
+    bm.cache_full_blocks(a)
+    b = Request("b", list(range(8)) + [99, 98, 97], SamplingParams())
+    hit = bm.find_cached_prefix(b)
+    assert hit == a.block_ids[:2]
+    assert bm.allocate(b, 3, hit) and b.num_computed_tokens == 8
+    assert bm.ref_counts[hit[0]] == 2
+    bm.free_blocks(a.block_ids)
+    bm.free_blocks(b.block_ids)
+    assert bm.num_free_blocks == 8
+    # Freed blocks keep their hash until reused.
+    c = Request("c", list(range(9)), SamplingParams())
+    assert bm.find_cached_prefix(c) == hit
+    assert bm.allocate(c, 8 * 4 + 1, []) is False  # 9 blocks needed, 8 exist: nothing changes
+    assert bm.num_free_blocks == 8 and c.block_ids == []
+
+
+def test_abort_at_any_point_frees_everything(tiny_models):
+    llm = LLM(tiny_models["qwen3"][0], block_size=4, max_num_batched_tokens=8)
+    core = llm.engine
+    for i in range(6):
+        core.add_request(EngineRequest(f"r{i}", list(range(3, 3 + 5 * (i + 1))),
+                                       SamplingParams(max_tokens=20, ignore_eos=True)))
+    outputs = []
+    for _ in range(4):
+        outputs += core.step()
+    core.abort_requests(["r0", "r3", "r5", "does-not-exist"])
+    outputs += core.step()
+    aborted = {o.request_id for o in outputs if o.finish_reason == "abort"}
+    assert aborted == {"r0", "r3", "r5"}
+    core.abort_requests([f"r{i}" for i in range(6)])
+    while core.has_unfinished_requests():
+        core.step()
+    assert core.blocks.num_free_blocks == core.blocks.num_blocks
+
+
+class CopyConnector:
+    """Fake decode-side connector: 'receives' a prompt's KV by copying it from a prefill engine's
+    cache after `delay` polls (or fails it). Stands in for connectors/ in these tests."""
+
+    def __init__(self, prefill: LLM, decode: LLM, delay: int, fail: bool = False):
+        self.prefill, self.decode, self.delay, self.fail = prefill, decode, delay, fail
+        self.pending: dict[str, list] = {}
+        self.polls_while_waiting = 0
+
+    def num_remote_tokens(self, req, num_local):
+        return req.num_prompt_tokens - 1 - num_local if req.kv_transfer_params else 0
+
+    def on_blocks_allocated(self, req, num_remote):
+        self.pending[req.request_id] = [self.delay, req]
+
+    def poll(self):
+        landed, failed = set(), {}
+        for rid, entry in list(self.pending.items()):
+            self.polls_while_waiting += 1
+            entry[0] -= 1
+            if entry[0] > 0:
+                continue
+            req = entry[1]
+            del self.pending[rid]
+            if self.fail:
+                failed[rid] = "KV transfer timed out"
+                continue
+            src = req.kv_transfer_params["remote_block_ids"]
+            n = len(src)
+            self.decode.engine.runner.kv_cache[:, :, req.block_ids[:n]] = self.prefill.engine.runner.kv_cache[:, :, src]
+            landed.add(rid)
+        return landed, failed, set()
+
+    def on_request_finished(self, req):
+        self.pending.pop(req.request_id, None)
+        return False, None
+
+
+class HoldConnector:
+    """Fake prefill-side connector: keeps a finished request's blocks until told they were sent."""
+
+    def __init__(self):
+        self.sent: set[str] = set()
+
+    def num_remote_tokens(self, req, num_local):
+        return 0
+
+    def on_blocks_allocated(self, req, num_remote):
+        raise AssertionError("prefill side never receives")
+
+    def poll(self):
+        sent, self.sent = self.sent, set()
+        return set(), {}, sent
+
+    def on_request_finished(self, req):
+        return True, {"remote_block_ids": list(req.block_ids)}
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_waiting_for_remote_kvs(tiny_models, fail):
+    path = tiny_models["llama"][0]
+    prompt = list(range(40, 63))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = LLM(path, block_size=4).generate([prompt], params)[0].token_ids
+
+    prefill = LLM(path, block_size=4)
+    hold = HoldConnector()
+    prefill.engine.set_connector(hold)
+    prefill.engine.add_request(EngineRequest("p", prompt, SamplingParams(max_tokens=1)))
+    first = prefill.engine.step()[0]
+    assert first.finished and prefill.engine.blocks.num_free_blocks < prefill.engine.blocks.num_blocks
+    src_blocks = first.kv_transfer_params["remote_block_ids"]
+
+    decode = LLM(path, block_size=4, enable_prefix_caching=False)
+    conn = CopyConnector(prefill, decode, delay=3, fail=fail)
+    decode.engine.set_connector(conn)
+    core = decode.engine
+    core.add_request(EngineRequest("remote", prompt, params, kv_transfer_params={"remote_block_ids": src_blocks}))
+    core.add_request(EngineRequest("local", [5, 6, 7], params))
+    seen_states, outs = [], {"remote": [], "local": []}
+    while core.has_unfinished_requests():
+        req = core.scheduler.requests.get("remote")
+        if req is not None:
+            seen_states.append(req.status)
+        for o in core.step():
+            outs[o.request_id].append(o)
+    assert RequestStatus.WAITING_FOR_REMOTE_KVS in seen_states
+    assert conn.polls_while_waiting == 3
+    assert len(outs["local"]) == 8  # the local request ran while the remote one waited
+    final = outs["remote"][-1]
+    if fail:
+        assert final.finish_reason == "error" and "timed out" in final.error
+    else:
+        assert [t for o in outs["remote"] for t in o.new_token_ids] == expected
+        assert final.num_prompt_tokens == len(prompt)
+    assert core.blocks.num_free_blocks == core.blocks.num_blocks
+    hold.sent.add("p")
+    prefill.engine.step()
+    assert prefill.engine.blocks.num_free_blocks == prefill.engine.blocks.num_blocks
