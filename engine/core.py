@@ -28,8 +28,11 @@ class EngineCore:
         self.runner = ModelRunner(config, self.hf_config, self.max_model_len)
         self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                    config.cache.enable_prefix_caching)
-        self.connector = None
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, self.eos_token_ids)
+        self.connector = None
+        if config.kv_transfer.enabled:
+            from connectors import build_connector
+            self.set_connector(build_connector(config.kv_transfer, self.runner))
         logger.info("engine ready: %s, max_model_len=%d, %d KV blocks", type(self.runner.model).__name__,
                     self.max_model_len, self.blocks.num_blocks)
 
@@ -69,7 +72,8 @@ class EngineCore:
         out = self.scheduler.schedule()
         sampled, prompt_logprobs = {}, {}
         if out.scheduled:
-            sampled, prompt_logprobs = self.runner.execute(out, self.eos_token_ids)
+            hook = self.connector.layer_hook(out.scheduled) if self.connector is not None else None
+            sampled, prompt_logprobs = self.runner.execute(out, self.eos_token_ids, hook)
         return self.scheduler.update(out, sampled, prompt_logprobs)
 
     def has_unfinished_requests(self) -> bool:
@@ -80,3 +84,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.scheduler.abort_requests(list(self.scheduler.requests))
+        if self.connector is not None:
+            self.connector.close()

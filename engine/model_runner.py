@@ -70,8 +70,6 @@ class ModelRunner:
         self.model.eval()
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
-        # Called after each layer stores its KV (set by a KV connector in write mode).
-        self.on_layer_stored = None
 
     # ---- KV cache ------------------------------------------------------------------------
 
@@ -144,8 +142,10 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, eos_token_ids: set[int]
+    def execute(self, out: SchedulerOutput, eos_token_ids: set[int], on_layer_stored=None
                 ) -> tuple[dict[str, SampledToken], dict[str, list[TokenLogprobs]]]:
+        """on_layer_stored(layer) is called once each layer's new KV is in the cache (write-mode
+        KV connectors push it from there)."""
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
         sample_rows, sample_reqs = [], []
@@ -177,7 +177,7 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             max_query_len=max(n for _, n in out.scheduled), max_seq_len=max(seq_lens),
-            on_layer_stored=self.on_layer_stored)
+            on_layer_stored=on_layer_stored)
         hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), ctx)
         sampled = {}
         if sample_rows:

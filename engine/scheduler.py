@@ -11,7 +11,7 @@ blocks until a transfer completes?).
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
@@ -22,7 +22,9 @@ logger = logging.getLogger(__name__)
 
 
 class SchedulerConnector(Protocol):
-    """The scheduler side of a KV connector (see connectors/)."""
+    """A KV connector as the engine sees it (see connectors/)."""
+
+    recompute_on_failure: bool  # a failed receive falls back to computing the prompt locally
 
     def num_remote_tokens(self, req: Request, num_local_computed: int) -> int:
         """Prompt tokens past num_local_computed whose KV will arrive from a remote instance."""
@@ -30,11 +32,19 @@ class SchedulerConnector(Protocol):
     def on_blocks_allocated(self, req: Request, num_remote_tokens: int) -> None:
         """req now owns blocks for those tokens; start (or announce) the transfer."""
 
+    def ready(self, req: Request) -> bool:
+        """May req start computing now? (A write-mode prefill waits for decode's block ids.)"""
+
     def poll(self) -> tuple[set[str], dict[str, str], set[str]]:
         """(ids whose remote KV landed, {id: error} for failed receives, ids whose sends finished)."""
 
     def on_request_finished(self, req: Request) -> tuple[bool, dict | None]:
         """(keep blocks until a send completes?, kv_transfer_params for the client)."""
+
+    def layer_hook(self, scheduled: list[tuple[Request, int]]) -> Callable[[int], None] | None:
+        """Called before a forward pass; the callback runs after each layer stored its KV."""
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -120,11 +130,16 @@ class Scheduler:
                 self.blocks.free_blocks(req.block_ids)
                 req.block_ids = []
         for req in list(self.waiting):
-            if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-                continue
             if req.request_id in failed:
-                self.fail_request(req, failed[req.request_id])
-            elif req.request_id in landed:
+                if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and self.connector.recompute_on_failure:
+                    logger.warning("%s: %s; computing the prompt locally", req.request_id, failed[req.request_id])
+                    self.blocks.free_blocks(req.block_ids)
+                    req.block_ids, req.num_computed_tokens = [], 0
+                    req.kv_transfer_params = None
+                    req.status = RequestStatus.WAITING
+                else:
+                    self.fail_request(req, failed[req.request_id])
+            elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req.request_id in landed:
                 req.num_computed_tokens = req.remote_computed_tokens
                 self.blocks.cache_full_blocks(req)
                 req.status = RequestStatus.WAITING
@@ -168,6 +183,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                skipped.append(req)
+                continue
+            fresh = req.num_computed_tokens == 0
+            if fresh and self.connector is not None and not self.connector.ready(req):
                 skipped.append(req)
                 continue
             if not self._admit(req, budget, out):

@@ -49,7 +49,20 @@ def test_abort_at_any_point_frees_everything(tiny_models):
     assert core.blocks.num_free_blocks == core.blocks.num_blocks
 
 
-class CopyConnector:
+class FakeConnector:
+    recompute_on_failure = False
+
+    def ready(self, req):
+        return True
+
+    def layer_hook(self, scheduled):
+        return None
+
+    def close(self):
+        pass
+
+
+class CopyConnector(FakeConnector):
     """Fake decode-side connector: 'receives' a prompt's KV by copying it from a prefill engine's
     cache after `delay` polls (or fails it). Stands in for connectors/ in these tests."""
 
@@ -87,7 +100,7 @@ class CopyConnector:
         return False, None
 
 
-class HoldConnector:
+class HoldConnector(FakeConnector):
     """Fake prefill-side connector: keeps a finished request's blocks until told they were sent."""
 
     def __init__(self):

@@ -1,0 +1,175 @@
+"""Two engines in one process joined by the real TandemConnector over the tcp transport.
+Reference: a collocated engine's greedy output on the same model."""
+import time
+import uuid
+
+import pytest
+import torch
+import transformers
+
+from engine import LLM, SamplingParams
+from engine.protocol import EngineRequest
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+PROMPTS = [list(range(10, 10 + n)) for n in (1, 5, 17, 33, 40)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    cfg = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=256, architectures=["Qwen3ForCausalLM"])
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("qwen3")
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    return [o.token_ids for o in LLM(model_dir, block_size=4).generate(PROMPTS, PARAMS)]
+
+
+def make(model_dir, role, **extra):
+    kv = {"kv_connector": "TandemConnector", "kv_role": role,
+          "kv_connector_extra_config": {"transfer_timeout_s": 15, "hold_timeout_s": 15, **extra}}
+    return LLM(model_dir, block_size=4, max_num_batched_tokens=16, **kv).engine
+
+
+def run_all(*cores, until, remote_waiting: list | None = None):
+    """Step every engine until `until()` holds; collect outputs by request id (and, if given,
+    each step's count of WAITING_FOR_REMOTE_KVS requests of the last engine)."""
+    outs: dict[str, list] = {}
+    deadline = time.time() + 30
+    while not until(outs):
+        assert time.time() < deadline, f"timed out; outputs so far: {outs}"
+        for core in cores:
+            for o in core.step():
+                outs.setdefault(o.request_id, []).append(o)
+        if remote_waiting is not None:
+            remote_waiting.append(cores[-1].get_stats().num_waiting_for_remote_kvs)
+        time.sleep(0.001)
+    return outs
+
+
+def tokens(outs, rid):
+    return [t for o in outs[rid] for t in o.new_token_ids]
+
+
+def finished(outs, rid):
+    return rid in outs and outs[rid][-1].finished
+
+
+def settle(*cores):
+    """Let held blocks be released, then check nothing leaked."""
+    deadline = time.time() + 10
+    while any(c.blocks.num_free_blocks != c.blocks.num_blocks for c in cores):
+        assert time.time() < deadline, [c.blocks.num_free_blocks for c in cores]
+        for c in cores:
+            c.step()
+        time.sleep(0.01)
+
+
+def test_read_mode_matches_collocated(model_dir, expected):
+    prefill, decode = make(model_dir, "kv_producer"), make(model_dir, "kv_consumer")
+    try:
+        for i, p in enumerate(PROMPTS):
+            prefill.add_request(EngineRequest(f"p{i}", p, SamplingParams(max_tokens=1),
+                                              kv_transfer_params={"do_remote_decode": True}))
+        outs = run_all(prefill, until=lambda o: all(finished(o, f"p{i}") for i in range(len(PROMPTS))))
+        assert prefill.blocks.num_free_blocks < prefill.blocks.num_blocks  # held for the reads
+        for i, p in enumerate(PROMPTS):
+            params = outs[f"p{i}"][-1].kv_transfer_params
+            assert params["remote_engine_id"] == prefill.connector.engine_id
+            decode.add_request(EngineRequest(f"d{i}", p, PARAMS, kv_transfer_params=params))
+        waiting = []
+        outs = run_all(prefill, decode, until=lambda o: all(finished(o, f"d{i}") for i in range(len(PROMPTS))),
+                       remote_waiting=waiting)
+        assert max(waiting) > 0 and waiting[-1] == 0
+        assert [tokens(outs, f"d{i}") for i in range(len(PROMPTS))] == expected
+        settle(prefill, decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_write_mode_matches_collocated(model_dir, expected):
+    prefill, decode = make(model_dir, "kv_producer"), make(model_dir, "kv_consumer")
+    host, port = prefill.connector.address.rsplit(":", 1)
+    dhost, dport = decode.connector.address.rsplit(":", 1)
+    try:
+        for i, p in enumerate(PROMPTS):
+            tid = uuid.uuid4().hex
+            decode.add_request(EngineRequest(f"d{i}", p, PARAMS, kv_transfer_params={
+                "do_remote_prefill": True, "mode": "write", "transfer_id": tid, "remote_host": host,
+                "remote_port": int(port)}))
+            prefill.add_request(EngineRequest(f"p{i}", p, SamplingParams(max_tokens=1), kv_transfer_params={
+                "do_remote_decode": True, "mode": "write", "transfer_id": tid, "remote_host": dhost,
+                "remote_port": int(dport)}))
+        outs = run_all(prefill, decode, until=lambda o: all(finished(o, f"d{i}") for i in range(len(PROMPTS))))
+        assert [o.error for i in range(len(PROMPTS)) for o in outs[f"d{i}"] if o.error] == []
+        assert [tokens(outs, f"d{i}") for i in range(len(PROMPTS))] == expected
+        assert all(outs[f"p{i}"][-1].finish_reason == "length" for i in range(len(PROMPTS)))
+        settle(prefill, decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_layout_mismatch_is_refused(model_dir, tmp_path):
+    prefill = make(model_dir, "kv_producer")
+    decode = LLM(model_dir, block_size=8, kv_connector="TandemConnector", kv_role="kv_consumer",
+                 kv_connector_extra_config={"transfer_timeout_s": 3}).engine
+    try:
+        prefill.add_request(EngineRequest("p", PROMPTS[3], SamplingParams(max_tokens=1),
+                                          kv_transfer_params={"do_remote_decode": True}))
+        params = run_all(prefill, until=lambda o: finished(o, "p"))["p"][-1].kv_transfer_params
+        decode.add_request(EngineRequest("d", PROMPTS[3], PARAMS, kv_transfer_params=params))
+        out = run_all(decode, until=lambda o: finished(o, "d"))["d"][-1]
+        assert out.finish_reason == "error" and "KV layouts differ (block_size: 4 vs 8)" in out.error
+        settle(decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_unreachable_prefill_times_out_or_recomputes(model_dir, expected, recompute):
+    decode = make(model_dir, "kv_consumer", transfer_timeout_s=1, recompute_on_failure=recompute)
+    try:
+        params = {"do_remote_prefill": True, "remote_block_ids": list(range(10)), "remote_host": "127.0.0.1",
+                  "remote_port": 9, "remote_request_id": "gone", "remote_engine_id": "x"}
+        decode.add_request(EngineRequest("d", PROMPTS[3], PARAMS, kv_transfer_params=params))
+        out = run_all(decode, until=lambda o: finished(o, "d"))["d"]
+        if recompute:
+            assert [t for o in out for t in o.new_token_ids] == expected[3]
+        else:
+            assert out[-1].finish_reason == "error" and "no answer" in out[-1].error
+        settle(decode)
+    finally:
+        decode.shutdown()
+
+
+def test_prefill_frees_blocks_when_decode_never_reads(model_dir):
+    prefill = make(model_dir, "kv_producer", hold_timeout_s=1)
+    try:
+        prefill.add_request(EngineRequest("p", PROMPTS[4], SamplingParams(max_tokens=1),
+                                          kv_transfer_params={"do_remote_decode": True}))
+        run_all(prefill, until=lambda o: finished(o, "p"))
+        assert prefill.blocks.num_free_blocks < prefill.blocks.num_blocks
+        settle(prefill)
+    finally:
+        prefill.shutdown()
+
+
+def test_write_mode_prefill_fails_when_decode_never_sends_blocks(model_dir):
+    prefill = make(model_dir, "kv_producer", transfer_timeout_s=0.5)
+    try:
+        prefill.add_request(EngineRequest("p", PROMPTS[2], SamplingParams(max_tokens=1), kv_transfer_params={
+            "do_remote_decode": True, "mode": "write", "transfer_id": "t", "remote_host": "127.0.0.1",
+            "remote_port": 9}))
+        out = run_all(prefill, until=lambda o: finished(o, "p"))["p"][-1]
+        assert out.finish_reason == "error" and "did not send its KV block ids" in out.error
+        settle(prefill)
+    finally:
+        prefill.shutdown()
