@@ -49,6 +49,11 @@ class ParallelConfig:
     all2all_backend: str = "none"  # none | naive | a2a | ipc | mori
     moe_experts: str = "auto"  # auto | triton | torch | aiter
     expert_placement_strategy: str = "linear"  # linear | round_robin
+    # Multi-node, torchrun style: ranks are spread evenly over the nodes.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29533
 
 
 @dataclass(frozen=True)

@@ -5,27 +5,51 @@ The offline LLM and the server's engine-core process both wrap this class.
 import logging
 import time
 
+import torch
+
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.loader import eos_token_ids, load_hf_config
 from engine.model_runner import ModelRunner
 from engine.protocol import EngineRequest, RequestOutput, SchedulerStats
 from engine.request import Request
+from engine.parallel import init_tensor_parallel
 from engine.scheduler import Scheduler
+from engine.worker import Workers, broadcast_step, init_distributed, local_device
 
 logger = logging.getLogger(__name__)
+
+
+def load_engine_model_config(config: EngineConfig):
+    return load_hf_config(config.model.model)
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
+    max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
+    return min(config.model.max_model_len or max_pos, max_pos)
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.hf_config = load_hf_config(config.model.model)
-        max_pos = getattr(self.hf_config, "max_position_embeddings", None) or 2048
-        self.max_model_len = min(config.model.max_model_len or max_pos, max_pos)
+        self.hf_config = load_engine_model_config(config)
+        self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.vocab_size = self.hf_config.vocab_size
         self.eos_token_ids = eos_token_ids(config.model.model, self.hf_config)
         self.tokenizer_path = config.model.tokenizer or config.model.model
-        self.runner = ModelRunner(config, self.hf_config, self.max_model_len)
+        self.workers, self._broadcast = None, None
+        device = None
+        if config.parallel.tensor_parallel_size > 1:
+            if config.kv_transfer.enabled:
+                raise ValueError("PD disaggregation (--kv-transfer-config) with --tensor-parallel-size > 1 "
+                                 "is not supported yet")
+            if config.parallel.node_rank != 0:
+                raise ValueError("the engine core runs on node 0; other nodes run only workers")
+            self.workers = Workers(config, self.max_model_len, include_rank0=False)
+            group = init_distributed(config, 0)
+            self._broadcast = lambda inputs: broadcast_step(group, inputs)
+            device = local_device(config, 0)
+        self.runner = ModelRunner(config, self.hf_config, self.max_model_len, device)
         self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                    config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, self.eos_token_ids)
@@ -73,7 +97,7 @@ class EngineCore:
         sampled, prompt_logprobs = {}, {}
         if out.scheduled:
             hook = self.connector.layer_hook(out.scheduled) if self.connector is not None else None
-            sampled, prompt_logprobs = self.runner.execute(out, self.eos_token_ids, hook)
+            sampled, prompt_logprobs = self.runner.execute(out, self.eos_token_ids, hook, self._broadcast)
         return self.scheduler.update(out, sampled, prompt_logprobs)
 
     def has_unfinished_requests(self) -> bool:
@@ -86,3 +110,9 @@ class EngineCore:
         self.scheduler.abort_requests(list(self.scheduler.requests))
         if self.connector is not None:
             self.connector.close()
+        if self.workers is not None:
+            self._broadcast(None)
+            self.workers.join()
+            torch.distributed.destroy_process_group()
+            init_tensor_parallel(None)
+            self.workers = None

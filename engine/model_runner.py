@@ -7,16 +7,20 @@ positions whose logprobs were asked for) and samples.
 """
 import contextlib
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.forward_context import ForwardContext
 from engine.loader import init_dummy_weights, load_weights
 from engine.models import model_class
+from engine.parallel import tp_size
 from engine.protocol import TokenLogprobs
 from engine.sampler import SamplingBatch, sample, token_logprobs
 from engine.scheduler import SampledToken, SchedulerOutput
+from kernels.backend import triton_available
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +56,11 @@ def _default_dtype(dtype: torch.dtype):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config, max_model_len: int):
+    def __init__(self, config: EngineConfig, hf_config, max_model_len: int, device: str | None = None):
         self.config = config
         self.hf_config = hf_config
         self.max_model_len = max_model_len
-        self.device = resolve_device(config.model.device)
+        self.device = resolve_device(device or config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, hf_config, self.device)
         self.vocab_size = hf_config.vocab_size
         self.block_size = config.cache.block_size
@@ -70,6 +74,7 @@ class ModelRunner:
         self.model.eval()
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
+        self.graphs = self._capture_graphs()
 
     # ---- KV cache ------------------------------------------------------------------------
 
@@ -90,6 +95,10 @@ class ModelRunner:
         else:
             budget = cache.kv_cache_memory_bytes
         num = budget // self.kv_bytes_per_block()
+        if tp_size() > 1:  # every rank must agree on the block count
+            t = torch.tensor([num], device=self.device if self.device.type == "cuda" else "cpu")
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+            num = int(t.item())
         if num * self.block_size < self.max_model_len:
             raise ValueError(f"the KV cache holds {num * self.block_size} tokens, fewer than max_model_len="
                              f"{self.max_model_len}: raise --gpu-memory-utilization / --kv-cache-memory-bytes "
@@ -139,17 +148,24 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s on %s)", self.num_blocks, self.block_size,
                     self.kv_cache.numel() * self.dtype.itemsize / 2**30, self.dtype, self.device)
 
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        comp = self.config.compilation
+        if self.device.type != "cuda" or comp.enforce_eager or not triton_available():
+            return None
+        limit = self.config.scheduler.max_num_seqs
+        sizes = [s for s in comp.cuda_graph_sizes if s <= limit] or [limit]
+        return DecodeGraphs(self.model, sizes, -(-self.max_model_len // self.block_size), self.max_model_len,
+                            self.device)
+
     # ---- one step ------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, eos_token_ids: set[int], on_layer_stored=None
-                ) -> tuple[dict[str, SampledToken], dict[str, list[TokenLogprobs]]]:
-        """on_layer_stored(layer) is called once each layer's new KV is in the cache (write-mode
-        KV connectors push it from there)."""
+    def prepare(self, out: SchedulerOutput) -> tuple["StepInputs", list, list]:
+        """Flatten the scheduled requests into one batch. Returns the inputs (what every TP rank
+        needs), the requests due a sampled token and the prompt-logprob spans, whose logits rows
+        follow the sampled ones: (request, first target index, count)."""
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
-        sample_rows, sample_reqs = [], []
-        prompt_rows: list[tuple] = []  # (request, first row, first target index, count)
+        sample_rows, sample_reqs, prompt_rows, prompt_spans = [], [], [], []
         for req, n in out.scheduled:
             start = req.num_computed_tokens
             row0 = len(input_ids)
@@ -167,29 +183,67 @@ class ModelRunner:
                 first = max(len(req.prompt_logprobs), start + 1)
                 last = min(start + n, req.num_prompt_tokens - 1)
                 if last >= first:
-                    prompt_rows.append((req, row0 + first - 1 - start, first, last - first + 1))
+                    prompt_rows.extend(range(row0 + first - 1 - start, row0 + last - start))
+                    prompt_spans.append((req, first, last - first + 1))
         max_blocks = max(len(r.block_ids) for r, _ in out.scheduled)
-        tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r, _ in out.scheduled]
+        inputs = StepInputs(
+            input_ids=torch.tensor(input_ids), positions=torch.tensor(positions),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            block_tables=torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids))
+                                       for r, _ in out.scheduled], dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            max_query_len=max(n for _, n in out.scheduled), logits_rows=sample_rows + prompt_rows)
+        return inputs, sample_reqs, prompt_spans
+
+    @torch.inference_mode()
+    def forward_logits(self, x: "StepInputs", on_layer_stored=None) -> torch.Tensor:
+        """Run the model on one batch; logits (float32) at x.logits_rows. Every TP rank calls this."""
         dev = self.device
-        ctx = ForwardContext(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            max_query_len=max(n for _, n in out.scheduled), max_seq_len=max(seq_lens),
-            on_layer_stored=on_layer_stored)
-        hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), ctx)
+        decode_only = x.input_ids.shape[0] == x.seq_lens.shape[0]
+        if (self.graphs is not None and decode_only and on_layer_stored is None
+                and self.graphs.padded_size(x.input_ids.shape[0]) is not None):
+            hidden = self.graphs.run(x.input_ids, x.positions, x.slot_mapping, x.block_tables, x.seq_lens)
+        else:
+            ctx = ForwardContext(
+                slot_mapping=x.slot_mapping.to(dev), block_tables=x.block_tables.to(dev),
+                seq_lens=x.seq_lens.to(dev), query_start_loc=x.query_start_loc.to(dev),
+                max_query_len=x.max_query_len, max_seq_len=int(x.seq_lens.max()), on_layer_stored=on_layer_stored)
+            hidden = self.model(x.input_ids.to(dev), x.positions.to(dev), ctx)
+        return self.model.compute_logits(hidden[x.logits_rows]).float()
+
+    def execute(self, out: SchedulerOutput, eos_token_ids: set[int], on_layer_stored=None,
+                broadcast=None) -> tuple[dict[str, SampledToken], dict[str, list[TokenLogprobs]]]:
+        """One step on rank 0. broadcast(inputs) hands the batch to the other TP ranks first;
+        on_layer_stored(layer) runs once each layer's new KV is in the cache (write-mode KV
+        connectors push it from there)."""
+        inputs, sample_reqs, prompt_spans = self.prepare(out)
+        if broadcast is not None:
+            broadcast(inputs)
+        logits = self.forward_logits(inputs, on_layer_stored)
         sampled = {}
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[sample_rows]).float()
-            batch = SamplingBatch.build(sample_reqs, self.vocab_size, dev)
-            tokens, logprobs = sample(logits, batch, eos_token_ids)
+        if sample_reqs:
+            batch = SamplingBatch.build(sample_reqs, self.vocab_size, self.device)
+            tokens, logprobs = sample(logits[:len(sample_reqs)], batch, eos_token_ids)
             for i, (req, tok) in enumerate(zip(sample_reqs, tokens.tolist())):
                 sampled[req.request_id] = SampledToken(tok, logprobs[i] if logprobs else None)
-        prompt_logprobs = {}
-        for req, row, first, count in prompt_rows:
-            logits = self.model.compute_logits(hidden[row:row + count]).float()
-            targets = torch.tensor(req.all_token_ids[first:first + count], device=dev)
+        prompt_logprobs, row = {}, len(sample_reqs)
+        for req, first, count in prompt_spans:
+            targets = torch.tensor(req.all_token_ids[first:first + count], device=self.device)
             prompt_logprobs[req.request_id] = token_logprobs(
-                logits.log_softmax(dim=-1), targets, req.params.prompt_logprobs)
+                logits[row:row + count].log_softmax(dim=-1), targets, req.params.prompt_logprobs)
+            row += count
         return sampled, prompt_logprobs
+
+
+@dataclass
+class StepInputs:
+    """One batch as CPU tensors (see ForwardContext for shapes); sent as is to other TP ranks."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    logits_rows: list[int]

@@ -9,6 +9,7 @@ from torch import nn
 
 from engine.config import ParallelConfig
 from engine.layers.linear import ReplicatedLinear
+from engine.parallel import tp_all_reduce, tp_rank, tp_size
 from kernels.ep import make_dispatcher
 from kernels.moe import fused_experts, fused_experts_ref, topk_routing
 
@@ -29,10 +30,13 @@ class FusedMoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.renormalize, self.scoring = renormalize, scoring
-        self.intermediate_size = intermediate_size
+        if intermediate_size % tp_size():
+            raise ValueError(f"MoE intermediate size {intermediate_size} is not divisible by the TP size {tp_size()}")
+        # Tensor parallel: every rank holds every expert's slice of the intermediate dimension.
+        self.intermediate_size = intermediate_size // tp_size()
         self.gate = ReplicatedLinear(hidden_size, num_experts)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size), requires_grad=False)
         self.w13.weight_loader = self.weight_loader
         self.w2.weight_loader = self.weight_loader
         self.dispatcher = make_dispatcher(parallel.all2all_backend)
@@ -41,13 +45,23 @@ class FusedMoE(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """shard_id: None (all experts stacked) or (expert, part) with part 0 = gate, 1 = up,
         None = down."""
+        size, rank = self.intermediate_size, tp_rank()
         if shard_id is None:
             dst = param.data
+            if param is self.w13:  # [E, 2I, H]: this rank's rows of gate and of up
+                full = loaded.shape[1] // 2
+                loaded = torch.cat([loaded[:, rank * size:(rank + 1) * size],
+                                    loaded[:, full + rank * size:full + (rank + 1) * size]], dim=1)
+            else:
+                loaded = loaded.narrow(2, rank * size, size)
         else:
             expert, part = shard_id
             dst = param.data[expert]
             if part is not None:
-                dst = dst.narrow(0, part * self.intermediate_size, self.intermediate_size)
+                dst = dst.narrow(0, part * size, size)
+                loaded = loaded.narrow(0, rank * size, size)
+            else:
+                loaded = loaded.narrow(1, rank * size, size)
         if dst.shape != loaded.shape:
             raise ValueError(f"experts: checkpoint tensor has shape {tuple(loaded.shape)}, "
                              f"expected {tuple(dst.shape)}")
@@ -58,4 +72,4 @@ class FusedMoE(nn.Module):
         weights, ids = topk_routing(self.gate(x), self.top_k, self.renormalize, self.scoring)
         x, weights, ids, handle = self.dispatcher.dispatch(x, weights, ids)
         y = self.experts(x, self.w13, self.w2, weights, ids)
-        return self.dispatcher.combine(y, handle)
+        return tp_all_reduce(self.dispatcher.combine(y, handle))

@@ -1,0 +1,120 @@
+"""Tensor-parallel ranks: rank 0 lives in the engine-core process and schedules; the other
+ranks run a ModelRunner each and replay every step that rank 0 broadcasts to them.
+
+Ranks join one torch.distributed world (NCCL on CUDA, RCCL on ROCm, gloo on CPU) with a
+gloo side group that carries the step inputs. A rank that dies takes the instance down
+(a watchdog on each node exits loudly) instead of leaving collectives hanging.
+"""
+import ctypes
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.parallel import init_tensor_parallel
+
+logger = logging.getLogger(__name__)
+
+
+def ranks_on_node(config: EngineConfig) -> range:
+    p = config.parallel
+    if p.tensor_parallel_size % p.nnodes:
+        raise ValueError(f"--tensor-parallel-size {p.tensor_parallel_size} must be a multiple of --nnodes {p.nnodes}")
+    per_node = p.tensor_parallel_size // p.nnodes
+    return range(p.node_rank * per_node, (p.node_rank + 1) * per_node)
+
+
+def local_device(config: EngineConfig, rank: int) -> str:
+    if config.model.device == "cpu" or (config.model.device == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    return f"cuda:{rank - ranks_on_node(config).start}"
+
+
+def init_distributed(config: EngineConfig, rank: int) -> dist.ProcessGroup:
+    """Join the world; returns the gloo group that carries step inputs."""
+    p = config.parallel
+    device = local_device(config, rank)
+    backend = "gloo" if device == "cpu" else "nccl"
+    if device != "cpu":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://{p.master_addr}:{p.master_port}",
+                            world_size=p.tensor_parallel_size, rank=rank, timeout=datetime.timedelta(minutes=10))
+    init_tensor_parallel(dist.group.WORLD)
+    return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+
+
+def broadcast_step(group: dist.ProcessGroup, inputs) -> None:
+    """Rank 0: hand one step's inputs (or None = stop) to the other ranks."""
+    dist.broadcast_object_list([inputs], src=0, group=group)
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _worker_main(config: EngineConfig, rank: int, max_model_len: int) -> None:
+    _die_with_parent()
+    from engine.core import load_engine_model_config
+    from engine.model_runner import ModelRunner
+
+    hf_config = load_engine_model_config(config)
+    group = init_distributed(config, rank)
+    runner = ModelRunner(config, hf_config, max_model_len, device=local_device(config, rank))
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        if box[0] is None:
+            break
+        runner.forward_logits(box[0])
+    dist.destroy_process_group()
+
+
+class Workers:
+    """The non-zero ranks of this node, as child processes, with a liveness watchdog."""
+
+    def __init__(self, config: EngineConfig, max_model_len: int, include_rank0: bool):
+        ctx = mp.get_context("spawn")
+        ranks = [r for r in ranks_on_node(config) if include_rank0 or r != 0]
+        self.procs = [ctx.Process(target=_worker_main, args=(config, r, max_model_len), daemon=True,
+                                  name=f"tp-rank-{r}") for r in ranks]
+        for proc in self.procs:
+            proc.start()
+        self._stopping = False
+        threading.Thread(target=self._watch, daemon=True, name="tp-watchdog").start()
+
+    def _watch(self) -> None:
+        while not self._stopping:
+            for proc in self.procs:
+                # Exit code 0 only follows rank 0's stop message; anything else is a crash.
+                if proc.exitcode not in (None, 0) and not self._stopping:
+                    logger.error("tensor-parallel worker %s died (exit code %s); shutting the instance down",
+                                 proc.name, proc.exitcode)
+                    os._exit(1)
+            time.sleep(0.5)
+
+    def join(self, timeout: float = 30.0) -> None:
+        self._stopping = True
+        for proc in self.procs:
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+
+
+def run_node_workers(config: EngineConfig) -> None:
+    """On nodes other than 0 (--node-rank > 0): run this node's ranks until rank 0 stops them."""
+    from engine.core import load_engine_model_config, resolve_max_model_len
+
+    workers = Workers(config, resolve_max_model_len(config, load_engine_model_config(config)), include_rank0=True)
+    for proc in workers.procs:
+        proc.join()
+    workers._stopping = True

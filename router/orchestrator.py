@@ -1,0 +1,243 @@
+"""PDOrchestrator: serves one OpenAI request through a prefill/decode pair (or a collocated instance).
+
+The contract with the instances (their KV connector reads `kv_transfer_params`):
+
+Read mode (decode pulls), serial:
+  1. P gets the client's body with max_tokens=1 (chat: also max_completion_tokens=1),
+     stream=false, no stream_options/min_tokens, n=1, and
+     kv_transfer_params={"do_remote_decode": true}.
+  2. P answers JSON with a top-level "kv_transfer_params" dict (remote_engine_id,
+     remote_block_ids, remote_host, remote_port, remote_request_id, ...). An error
+     answer goes back to the client unchanged and D is never contacted.
+  3. D gets the client's original body with kv_transfer_params = P's dict; D's
+     answer (SSE or JSON) is relayed to the client.
+
+Write mode (prefill pushes), concurrent, one transfer_id = uuid4().hex:
+  D gets the original body + kv_transfer_params={"do_remote_prefill": true, "mode": "write",
+    "transfer_id", "remote_engine_id": P.engine_id, "remote_host": P.kv_host,
+    "remote_port": P.kv_handshake_port, "remote_notify_port": P.kv_notify_port}.
+  P gets the prefill body (as in read mode) + kv_transfer_params={"do_remote_decode": true,
+    "mode": "write", "transfer_id", "remote_engine_id": D.engine_id, "remote_host": D.kv_host,
+    "remote_port": D.kv_handshake_port, "remote_notify_port": D.kv_notify_port}.
+  D's output reaches the client only once P answered successfully: if P fails first,
+  D is cancelled and the client gets P's error; if D fails, P is cancelled.
+
+Both modes send the client's X-Request-Id (or a new one) to P and D and back to the
+client, and forward the client's Authorization header. A client that disconnects
+closes the upstream requests.
+"""
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Awaitable, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from router.config import RouterConfig
+from router.errors import ClientDisconnected, RouterError
+from router.metrics import RouterMetrics
+from router.policy import make_policy
+from router.registry import Instance, InstanceRegistry
+from router.relay import OnClose, RelayResponse, relay
+from router.upstream import Upstream, UpstreamStream
+
+logger = logging.getLogger(__name__)
+
+CHAT_PATH = "/v1/chat/completions"
+T = TypeVar("T")
+
+
+def prefill_request_body(body: dict, path: str, kv_transfer_params: dict) -> dict:
+    """The client's body cut down to a prefill: one token, no streaming, one choice."""
+    prefill = dict(body)
+    prefill["max_tokens"] = 1
+    if path == CHAT_PATH:
+        prefill["max_completion_tokens"] = 1
+    prefill["stream"] = False
+    prefill.pop("stream_options", None)
+    prefill.pop("min_tokens", None)  # min_tokens > 1 would make max_tokens=1 invalid
+    if "n" in prefill:
+        prefill["n"] = 1
+    prefill["kv_transfer_params"] = kv_transfer_params
+    return prefill
+
+
+def peer_kv_address(inst: Instance) -> dict:
+    """Where the other side of a write-mode transfer reaches `inst`'s KV connector."""
+    return {"remote_engine_id": inst.info.engine_id, "remote_host": inst.info.kv_host,
+            "remote_port": inst.info.kv_handshake_port, "remote_notify_port": inst.info.kv_notify_port}
+
+
+async def parse_json_body(request: Request) -> tuple[dict, bytes]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise RouterError(f"request body is not valid JSON: {e}", 400, "invalid_json") from e
+    if not isinstance(body, dict):
+        raise RouterError("request body must be a JSON object", 400, "invalid_json")
+    return body, raw
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and raising ClientDisconnected) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+async def _cancel_all(*tasks: asyncio.Task) -> None:
+    """Cancel `tasks`; close the upstream streams of those that already opened one."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for task in tasks:
+        if task.done() and not task.cancelled() and task.exception() is None:
+            result = task.result()
+            if isinstance(result, UpstreamStream):
+                await result.aclose()
+
+
+class PDOrchestrator:
+    def __init__(self, config: RouterConfig, registry: InstanceRegistry, upstream: Upstream,
+                 metrics: RouterMetrics):
+        self.config = config
+        self.registry = registry
+        self.upstream = upstream
+        self.metrics = metrics
+        self.policy = make_policy(config.routing_policy)
+
+    def pick(self) -> tuple[Instance, Instance | None]:
+        """(prefill, decode) when a pair is routable, else (collocated, None); 503 when neither."""
+        prefill, decode = self.registry.routable("prefill"), self.registry.routable("decode")
+        if prefill and decode:
+            return self.policy.choose("prefill", prefill), self.policy.choose("decode", decode)
+        collocated = self.registry.routable("collocated")
+        if collocated:
+            return self.policy.choose("collocated", collocated), None
+        if prefill or decode:
+            missing = "decode" if prefill else "prefill"
+            reason = f"no healthy {missing} instance to pair with the {len(prefill or decode)} " \
+                     f"{'prefill' if prefill else 'decode'} instance(s), and no collocated instance"
+        else:
+            reason = "no healthy instance is registered (need a prefill+decode pair or a collocated instance)"
+        raise RouterError(reason, 503, "no_instance")
+
+    async def serve(self, request: Request, path: str) -> Response:
+        """Serve one client request to `path` (/v1/completions or /v1/chat/completions)."""
+        body, raw = await parse_json_body(request)
+        client_streams = bool(body.get("stream", False))
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        headers = {"X-Request-Id": request_id}
+        if "authorization" in request.headers:  # instances that check an API key see the client's
+            headers["Authorization"] = request.headers["authorization"]
+        try:
+            first, decode = self.pick()
+        except RouterError as e:
+            self.metrics.requests.labels(path, "none").inc()
+            self.metrics.failures.labels(path, str(e.status)).inc()
+            raise
+        target = "collocated" if decode is None else f"pd_{self.config.kv_mode}"
+        self.metrics.requests.labels(path, target).inc()
+        self.metrics.in_flight.inc()
+        finished = False
+
+        def finish(error: RouterError | None) -> None:
+            nonlocal finished
+            if finished:
+                return
+            finished = True
+            self.metrics.in_flight.dec()
+            if error is not None:
+                self.metrics.failures.labels(path, str(error.status)).inc()
+
+        if decode is None:
+            work = self._collocated(first, path, raw, client_streams, headers, finish)
+        elif self.config.kv_mode == "read":
+            work = self._read_mode(first, decode, path, body, client_streams, headers, finish)
+        else:
+            work = self._write_mode(first, decode, path, body, client_streams, headers, finish)
+        try:
+            response = await cancel_on_disconnect(request, work)
+        except RouterError as e:
+            finish(e)
+            raise
+        except ClientDisconnected:
+            logger.info("request %s: client disconnected before the answer; upstream requests closed", request_id)
+            finish(RouterError("client disconnected", 499, "client_disconnected"))
+            return Response(status_code=499)
+        except BaseException:
+            finish(RouterError("internal error", 500))
+            raise
+        if not isinstance(response, RelayResponse):
+            finish(None)
+        response.headers["X-Request-Id"] = request_id
+        return response
+
+    async def _collocated(self, inst: Instance, path: str, raw: bytes, client_streams: bool,
+                          headers: dict[str, str], finish: OnClose) -> Response:
+        stream = await self.upstream.open_stream(inst, path, raw, headers)
+        return await relay(stream, client_streams, finish)
+
+    async def _prefill(self, inst: Instance, path: str, body: dict, headers: dict[str, str]) -> dict:
+        start = time.perf_counter()
+        answer = await self.upstream.post_json(inst, path, body, headers)
+        self.metrics.prefill_seconds.observe(time.perf_counter() - start)
+        return answer
+
+    async def _read_mode(self, prefill: Instance, decode: Instance, path: str, body: dict,
+                         client_streams: bool, headers: dict[str, str], finish: OnClose) -> Response:
+        prefill_body = prefill_request_body(body, path, {"do_remote_decode": True})
+        answer = await self._prefill(prefill, path, prefill_body, headers)
+        kv_transfer_params = answer.get("kv_transfer_params")
+        if not isinstance(kv_transfer_params, dict):
+            raise RouterError(f"prefill instance {prefill.instance_id} answered without a kv_transfer_params "
+                              "object; is it running with a KV connector in read mode?", 502,
+                              "missing_kv_transfer_params")
+        stream = await self.upstream.open_stream(decode, path, {**body, "kv_transfer_params": kv_transfer_params},
+                                                 headers)
+        return await relay(stream, client_streams, finish)
+
+    async def _write_mode(self, prefill: Instance, decode: Instance, path: str, body: dict,
+                          client_streams: bool, headers: dict[str, str], finish: OnClose) -> Response:
+        transfer_id = uuid.uuid4().hex
+        decode_body = {**body, "kv_transfer_params": {"do_remote_prefill": True, "mode": "write",
+                                                      "transfer_id": transfer_id, **peer_kv_address(prefill)}}
+        prefill_body = prefill_request_body(body, path, {"do_remote_decode": True, "mode": "write",
+                                                         "transfer_id": transfer_id, **peer_kv_address(decode)})
+        prefill_task = asyncio.create_task(self._prefill(prefill, path, prefill_body, headers))
+        decode_task = asyncio.create_task(self.upstream.open_stream(decode, path, decode_body, headers))
+        try:
+            await self._both_or_first_failure(prefill_task, decode_task)
+        except BaseException:
+            await _cancel_all(prefill_task, decode_task)
+            raise
+        return await relay(decode_task.result(), client_streams, finish)
+
+    @staticmethod
+    async def _both_or_first_failure(prefill_task: asyncio.Task, decode_task: asyncio.Task) -> None:
+        """Wait until P answered and D's response opened; raise the first failure (P's when both
+        failed: it is usually the cause of D's)."""
+        pending = {prefill_task, decode_task}
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in (prefill_task, decode_task):
+                if task in done and task.exception() is not None:
+                    raise task.exception()
