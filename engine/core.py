@@ -98,10 +98,15 @@ class EngineCore:
         if out.scheduled:
             hook = self.connector.layer_hook(out.scheduled) if self.connector is not None else None
             sampled, prompt_logprobs = self.runner.execute(out, self.eos_token_ids, hook, self._broadcast)
-        return self.scheduler.update(out, sampled, prompt_logprobs)
+        outputs = self.scheduler.update(out, sampled, prompt_logprobs)
+        if not out.scheduled and not outputs:
+            time.sleep(0.001)  # only KV transfers in flight: poll them without spinning a core
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while requests run or wait, or KV blocks are held for a transfer (they are freed
+        by the steps that poll the connector)."""
+        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.sending)
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.stats()
