@@ -30,6 +30,7 @@ class KVAgent:
                  timeout_s: float, on_message: Callable[[object], None]):
         """on_message receives FreeBlocks / DecodeBlocks / TransferDone from peers (server thread)."""
         self.engine_id, self.kv_cache, self.layout = engine_id, kv_cache, layout
+        self.transport = None  # set by the connector before any transfer
         self.timeout_ms = int(timeout_s * 1000)
         self.on_message = on_message
         self.ctx = zmq.Context()
@@ -69,9 +70,12 @@ class KVAgent:
     def _handle(self, ident: bytes, msg, payload) -> None:
         if isinstance(msg, Handshake):
             error = self.layout.mismatch(msg.layout)
+            if msg.transport != self.transport.name:
+                error = f"KV transports differ ({msg.transport} vs {self.transport.name})"
             if error:
                 logger.error("refused KV handshake from %s: %s", msg.engine_id, error)
-            self._reply(ident, HandshakeReply(self.engine_id, self.layout, error))
+            self._reply(ident, HandshakeReply(self.engine_id, self.layout, error, self.transport.name,
+                                              b"" if error else self.transport.local_info()))
         elif isinstance(msg, ReadBlocks):
             try:
                 data = gather_blocks(self.kv_cache, msg.block_ids)
@@ -101,7 +105,7 @@ class KVAgent:
             except Exception:
                 logger.exception("KV agent: transfer job failed")
 
-    def _session(self, peer: str) -> zmq.Socket:
+    def session(self, peer: str) -> zmq.Socket:
         """A DEALER socket to peer whose layout has been checked (handshake once, cached)."""
         sock = self.sessions.get(peer)
         if sock is not None:
@@ -109,7 +113,7 @@ class KVAgent:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://{peer}")
-        sock.send_multipart([encoder.encode(Handshake(self.engine_id, self.layout))])
+        sock.send_multipart([encoder.encode(Handshake(self.engine_id, self.layout, self.transport.name))])
         try:
             reply = self._recv(sock, peer)
         except TransferError:
@@ -118,6 +122,11 @@ class KVAgent:
         if reply.error:
             sock.close()
             raise TransferError(f"KV handshake with {reply.engine_id} at {peer} refused: {reply.error}")
+        try:
+            self.transport.attach(peer, reply.transport_info)
+        except Exception as e:
+            sock.close()
+            raise TransferError(f"cannot attach to the KV cache of {reply.engine_id} at {peer}: {e}") from e
         self.sessions[peer] = sock
         logger.info("KV session with %s at %s", reply.engine_id, peer)
         return sock
@@ -134,7 +143,7 @@ class KVAgent:
 
     def read_blocks(self, peer: str, request_id: str, remote_blocks: list[int], local_blocks: list[int]) -> None:
         """Read mode pull: copy peer's remote_blocks into our local_blocks (client thread only)."""
-        sock = self._session(peer)
+        sock = self.session(peer)
         sock.send_multipart([encoder.encode(ReadBlocks(request_id, remote_blocks))])
         reply = self._recv(sock, peer)
         if not isinstance(reply, tuple):
@@ -143,7 +152,7 @@ class KVAgent:
 
     def send(self, peer: str, msg, payload: bytes | None = None) -> None:
         """Fire-and-forget message to peer (client thread only)."""
-        sock = self._session(peer)
+        sock = self.session(peer)
         sock.send_multipart([encoder.encode(msg)] + ([payload] if payload is not None else []), copy=False)
 
     def close(self) -> None:

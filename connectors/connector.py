@@ -18,7 +18,8 @@ import torch
 
 from connectors.agent import KVAgent, TransferError
 from connectors.protocol import DecodeBlocks, FreeBlocks, KVLayout, TransferDone, WriteBlocks
-from connectors.staging import gather_blocks, scatter_blocks
+from connectors.staging import scatter_blocks
+from connectors.transport import make_transport
 from engine.config import KVTransferConfig
 from engine.request import Request, RequestStatus
 
@@ -36,9 +37,6 @@ class TandemConnector:
         if config.kv_role not in (PRODUCER, CONSUMER, BOTH):
             raise ValueError(f"kv_role must be one of {PRODUCER}, {CONSUMER}, {BOTH}; got {config.kv_role!r}")
         extra = config.kv_connector_extra_config
-        transport = extra.get("transport", "tcp")
-        if transport != "tcp":
-            raise ValueError(f"KV transport {transport!r} is not available here; expected 'tcp'")
         self.role = config.kv_role
         self.block_size = layout.block_size
         self.transfer_timeout_s = float(extra.get("transfer_timeout_s", 30.0))
@@ -48,6 +46,8 @@ class TandemConnector:
         self.kv_cache = kv_cache
         self.agent = KVAgent(self.engine_id, kv_cache, layout, extra.get("kv_host", "127.0.0.1"),
                              int(extra.get("handshake_port", 0)), self.transfer_timeout_s, self._on_message)
+        self.transport = make_transport(extra.get("transport", "tcp"), kv_cache, self.agent)
+        self.agent.transport = self.transport
         self.lock = threading.Lock()
         self.landed: set[str] = set()
         self.failed: dict[str, str] = {}
@@ -146,8 +146,9 @@ class TandemConnector:
     def _pull(self, peer: str, request_id: str, remote_request_id: str, remote: list[int], local: list[int]) -> None:
         error = None
         try:
-            self.agent.read_blocks(peer, remote_request_id, remote, local)
-        except (TransferError, ValueError) as e:
+            self.agent.session(peer)
+            self.transport.read(peer, remote_request_id, remote, local)
+        except (TransferError, ValueError, RuntimeError) as e:
             error = str(e)
         try:
             self.agent.send(peer, FreeBlocks(remote_request_id))
@@ -204,11 +205,24 @@ class TandemConnector:
             self.pushed_chunks.pop(req.request_id, None)
             target = self.targets.pop(p["transfer_id"], None) if p.get("mode") == "write" else None
         if p.get("mode") == "write":
-            if not ok and target is not None:
-                peer = self._peer_of(p)
-                done = TransferDone(p["transfer_id"], error=req.error or "the prefill request was aborted")
-                self.agent.submit(lambda: self.agent.send(peer, done))
-            return False, {"transfer_id": p["transfer_id"]} if ok else None
+            if target is None:
+                return False, None
+            # Pushes may still be reading our blocks (ipc): free them after a flush. A request that
+            # ended early also tells decode, so it fails now instead of at its timeout.
+            peer, tid, rid = self._peer_of(p), p["transfer_id"], req.request_id
+            error = None if ok else (req.error or "the prefill request was aborted")
+
+            def release() -> None:
+                try:
+                    self.transport.flush(peer)
+                    if error is not None:
+                        self.agent.send(peer, TransferDone(tid, error=error))
+                finally:
+                    with self.lock:
+                        self.releasable.add(rid)
+
+            self.agent.submit(release)
+            return True, {"transfer_id": tid} if ok else None
         if not ok:
             return False, None
         with self.lock:
@@ -249,13 +263,22 @@ class TandemConnector:
             for p, local, remote, final in pushes:
                 peer, tid = self._peer_of(p), p["transfer_id"]
                 if local:
-                    payload = gather_blocks(self.kv_cache, local, layer)
-                    msg = WriteBlocks(tid, layer, remote)
-                    self.agent.submit(lambda peer=peer, msg=msg, payload=payload: self.agent.send(peer, msg, payload))
+                    staged = self.transport.stage_layer(layer, local)
+                    self.agent.submit(lambda peer=peer, tid=tid, staged=staged, remote=remote:
+                                      self._push(peer, tid, layer, staged, remote))
                 if final and layer == num_layers - 1:
-                    self.agent.submit(lambda peer=peer, tid=tid: self.agent.send(peer, TransferDone(tid)))
+                    self.agent.submit(lambda peer=peer, tid=tid: self._finish_push(peer, tid))
 
         return on_layer_stored
 
+    def _push(self, peer: str, transfer_id: str, layer: int, staged, remote: list[int]) -> None:
+        self.agent.session(peer)  # handshake (and transport attach) on first use
+        self.transport.write_layer(peer, transfer_id, layer, staged, remote)
+
+    def _finish_push(self, peer: str, transfer_id: str) -> None:
+        self.transport.flush(peer)
+        self.agent.send(peer, TransferDone(transfer_id))
+
     def close(self) -> None:
         self.agent.close()
+        self.transport.close()

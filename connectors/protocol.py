@@ -25,12 +25,15 @@ class KVLayout(msgspec.Struct, frozen=True):
 class Handshake(msgspec.Struct, tag=True):
     engine_id: str
     layout: KVLayout
+    transport: str = "tcp"
 
 
 class HandshakeReply(msgspec.Struct, tag=True):
     engine_id: str
     layout: KVLayout | None = None
     error: str | None = None
+    transport: str = "tcp"
+    transport_info: bytes = b""  # what the transport needs to reach this instance's KV cache
 
 
 class ReadBlocks(msgspec.Struct, tag=True):
