@@ -1,0 +1,121 @@
+"""The FastAPI app: OpenAI routes, health/version/metrics, API-key check, disconnect -> abort."""
+import asyncio
+import logging
+import secrets
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.config import EngineConfig
+from server import __version__
+from server.chat import create_chat_completion
+from server.completions import create_completion
+from server.engine_client import EngineClient
+from server.errors import EngineDeadError, error_body, error_response, install_error_handlers
+from server.generation import ServingContext
+from server.metrics import CONTENT_TYPE, ServerMetrics
+from server.protocol import ChatCompletionRequest, CompletionRequest, now
+from server.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class APIKeyMiddleware:
+    """401 on /v1 routes unless `Authorization: Bearer <key>` matches (plain ASGI: streams untouched)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                body = error_body("invalid or missing API key (send `Authorization: Bearer <key>`)", 401,
+                                  code="invalid_api_key")
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _cancel_on_disconnect(request: Request, handler):
+    """Run a route handler, cancelling it (and so aborting its engine requests) if the client
+    goes away before the response is ready. Streaming responses watch for that themselves."""
+    task = asyncio.ensure_future(handler)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            logger.info("client disconnected from %s; request aborted", request.url.path)
+    if task.cancelled():
+        return Response(status_code=499)
+    return task.result()
+
+
+def served_model_name(config: EngineConfig) -> str:
+    return config.model.served_model_name or Path(config.model.model.rstrip("/")).name
+
+
+def build_app(client: EngineClient, config: EngineConfig, tokenizer: Tokenizer | None = None,
+              api_key: str | None = None) -> FastAPI:
+    """The app for a ready EngineClient (its `info` is set); `tokenizer` may be preloaded."""
+    info = client.info
+    if tokenizer is None or tokenizer.path != info.tokenizer_path:
+        tokenizer = Tokenizer(info.tokenizer_path)
+    name = served_model_name(config)
+    ctx = ServingContext(client=client, tokenizer=tokenizer, model_name=name,
+                         model_path=config.model.model, max_model_len=info.max_model_len,
+                         vocab_size=info.vocab_size, metrics=ServerMetrics(name))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await client.start_output_loop()
+        yield
+        await client.stop_output_loop()
+
+    app = FastAPI(title="Tandem", version=__version__, lifespan=lifespan)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if client.dead or (client.proc is not None and not client.proc.is_alive()):
+            return error_response(EngineDeadError())
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": now(), "owned_by": "tandem", "root": config.model.model,
+            "parent": None, "max_model_len": info.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        ctx.metrics.set_engine_stats(await client.get_stats())
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _cancel_on_disconnect(request, create_completion(ctx, body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await _cancel_on_disconnect(request, create_chat_completion(ctx, body))
+
+    return app

@@ -1,0 +1,43 @@
+"""The HF tokenizer and what the API needs around it: prompts, chat templates, per-token strings."""
+import logging
+from functools import lru_cache
+
+from server.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+
+class Tokenizer:
+    """Wraps a Hugging Face tokenizer loaded from the engine's tokenizer folder."""
+
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(path)
+        self.path = path
+        self.token_str = lru_cache(maxsize=1 << 16)(self._token_str)
+        logger.info("tokenizer loaded: path=%s vocab=%d chat_template=%s", path, len(self.hf),
+                    self.hf.chat_template is not None)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens,
+                              clean_up_tokenization_spaces=False)
+
+    def _token_str(self, token_id: int) -> str:
+        """The text of one token on its own, as shown in logprobs (special tokens kept)."""
+        return self.hf.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **template_kwargs) -> list[int]:
+        """Render messages with the model's chat template and tokenize (the template adds BOS)."""
+        if self.hf.chat_template is None:
+            raise APIError("this model has no chat template; use /v1/completions", param="messages")
+        try:
+            text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                               tokenize=False, **template_kwargs)
+        except Exception as exc:  # jinja errors (raise_exception in templates) are the client's messages
+            raise APIError(f"chat template failed on these messages: {exc}", param="messages") from exc
+        return self.encode(text, add_special_tokens=False)

@@ -1,0 +1,150 @@
+"""Server test fixtures: a tiny random Llama (built once per session) and real `python -m server`
+processes on free 127.0.0.1 ports, reaped at teardown."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_model import build_tiny_model
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+GSM8K = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+API_KEY = "test-key"
+MAX_MODEL_LEN = 256
+NUM_BLOCKS = 64
+ENGINE_ARGS = ["--device", "cpu", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+               "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-num-seqs", "16"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m server` in a subprocess; log in `log_path`."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *extra_args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "server", "--model", str(model_dir), "--host", "127.0.0.1",
+               "--port", str(self.port), *ENGINE_ARGS, *extra_args]
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_healthy(self, timeout: float = 180.0) -> "ServerProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.read_log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not healthy after {timeout}s:\n{self.read_log()}")
+
+    def read_log(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def engine_pid(self) -> int:
+        """The engine core child (not multiprocessing's resource tracker)."""
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        for pid in map(int, children):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+                return pid
+        raise RuntimeError(f"no engine core child among {children}")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), GSM8K)
+
+
+@pytest.fixture(scope="session")
+def launched(tiny_model_dir, tmp_path_factory) -> dict[str, ServerProcess]:
+    """Every server the suite needs, launched at once so their start-ups overlap:
+    main (shared, with --api-key), victim (its engine gets killed), broken (cannot start)."""
+    logs = tmp_path_factory.mktemp("logs")
+    procs = {
+        "main": ServerProcess(tiny_model_dir, logs / "main.log", "--api-key", API_KEY),
+        "victim": ServerProcess(tiny_model_dir, logs / "victim.log"),
+        "broken": ServerProcess(tiny_model_dir / "no-such-model", logs / "broken.log"),
+    }
+    yield procs
+    for name, srv in procs.items():
+        if name != "main":
+            srv.stop()
+
+
+@pytest.fixture(scope="session")
+def server(launched):
+    """The shared server for every functional test. Teardown checks that SIGTERM stops the
+    whole tree with exit code 0."""
+    srv = launched["main"].wait_healthy()
+    engine_pid = srv.engine_pid()
+    yield srv
+    code = srv.stop()
+    assert code == 0, f"server exited with {code} on SIGTERM:\n{srv.read_log()}"
+    deadline = time.monotonic() + 10
+    while pid_alive(engine_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(engine_pid), "the engine core outlived the server"
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype="float32").eval()
