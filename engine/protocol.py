@@ -48,6 +48,7 @@ class SchedulerStats(msgspec.Struct):
     num_waiting: int = 0
     num_waiting_for_remote_kvs: int = 0
     num_preempted_total: int = 0
+    num_remote_prefills_total: int = 0  # requests whose prompt KV came from a prefill instance
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     kv_cache_usage: float = 0.0

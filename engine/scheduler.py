@@ -78,6 +78,7 @@ class Scheduler:
         self.sending: dict[str, Request] = {}  # finished, blocks held for a KV send
         self.pending_outputs: list[RequestOutput] = []
         self.num_preempted_total = 0
+        self.num_remote_prefills_total = 0
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -210,6 +211,7 @@ class Scheduler:
             req.num_cached_tokens = len(cached) * self.blocks.block_size
             req.remote_computed_tokens = num_local + num_remote
             req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self.num_remote_prefills_total += 1
             self.connector.on_blocks_allocated(req, num_remote)
             self.waiting.append(req)
             return True
@@ -278,6 +280,7 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting) - remote,
             num_waiting_for_remote_kvs=remote, num_preempted_total=self.num_preempted_total,
+            num_remote_prefills_total=self.num_remote_prefills_total,
             num_free_blocks=self.blocks.num_free_blocks, num_total_blocks=self.blocks.num_blocks,
             kv_cache_usage=self.blocks.usage, prefix_cache_queries=self.blocks.prefix_queries,
             prefix_cache_hits=self.blocks.prefix_hits)

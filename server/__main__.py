@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1 routes")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"))
     add_engine_args(parser)
+    from server.roles import add_pd_args
+    add_pd_args(parser)
     return parser
 
 
@@ -46,6 +48,10 @@ def run_api_server(args: argparse.Namespace) -> int:
     from server.tokenizer import Tokenizer
 
     config = config_from_args(args)
+    registration = None
+    if args.role in ("prefill", "decode"):
+        from server.roles import pd_config
+        config = pd_config(args, config)
     client = EngineClient(config, args.log_level)
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -63,6 +69,9 @@ def run_api_server(args: argparse.Namespace) -> int:
                                                timeout_graceful_shutdown=5, timeout_keep_alive=30))
         client.on_dead = lambda: setattr(server, "should_exit", True)
         logger.info("serving %s on http://%s:%d", config.model.model, args.host, args.port)
+        if args.role in ("prefill", "decode"):
+            from server.roles import start_registration
+            registration = start_registration(args, config, client)  # the router health-checks before routing
         server.run()
     except EngineStartupError as exc:
         logger.error("%s", exc)
@@ -70,6 +79,8 @@ def run_api_server(args: argparse.Namespace) -> int:
     except _StopRequested as exc:
         logger.info("%s received; stopping", exc)
     finally:
+        if registration is not None:
+            registration.stop()
         client.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -105,10 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         except _StopRequested as exc:
             logger.info("%s received; router stopped", exc)
         return 0
-    if args.role in ("prefill", "decode", "disagg"):
-        # prefill/decode = run_api_server with a kv_transfer config + router registration (next issue).
-        print(f"server: --role {args.role} is not implemented yet; use --role collocated", file=sys.stderr)
-        return 2
+    if args.role == "disagg":
+        from server.roles import run_disagg
+        return run_disagg(args)
     return run_api_server(args)
 
 

@@ -40,6 +40,7 @@ class ServerMetrics:
                 ("kv_cache_free_blocks", "Free KV cache blocks"),
                 ("kv_cache_total_blocks", "Total KV cache blocks"),
                 ("num_preemptions", "Preemptions since start"),
+                ("num_remote_prefills", "Requests whose prompt KV came from a prefill instance, since start"),
                 ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache"),
             ]
@@ -69,6 +70,7 @@ class ServerMetrics:
         g["kv_cache_free_blocks"].set(stats.num_free_blocks)
         g["kv_cache_total_blocks"].set(stats.num_total_blocks)
         g["num_preemptions"].set(stats.num_preempted_total)
+        g["num_remote_prefills"].set(stats.num_remote_prefills_total)
         g["prefix_cache_queries"].set(stats.prefix_cache_queries)
         g["prefix_cache_hits"].set(stats.prefix_cache_hits)
 

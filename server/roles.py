@@ -5,7 +5,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import signal
 import socket
 import subprocess
@@ -42,11 +41,12 @@ def free_port() -> int:
 
 
 def pd_config(args: argparse.Namespace, config: EngineConfig) -> EngineConfig:
-    """The instance's EngineConfig with its KV-transfer part filled in from the role (unless
-    --kv-transfer-config gave one) and a concrete handshake port, so it can be advertised."""
-    kv = config.kv_transfer
-    if not kv.enabled:
-        kv = KVTransferConfig(kv_connector="TandemConnector", kv_role=KV_ROLES[args.role])
+    """The instance's EngineConfig with its KV-transfer part filled in: kv_role from the role,
+    --kv-transfer-config's connector and extra settings (timeouts, ...) kept, and a concrete
+    handshake port, so it can be advertised."""
+    kv = KVTransferConfig(kv_connector=config.kv_transfer.kv_connector or "TandemConnector",
+                          kv_role=KV_ROLES[args.role],
+                          kv_connector_extra_config=dict(config.kv_transfer.kv_connector_extra_config))
     extra = {"transport": args.kv_transport, "kv_host": args.advertise_host, **kv.kv_connector_extra_config}
     if not int(extra.get("handshake_port", 0)):
         extra["handshake_port"] = args.kv_port or free_port()

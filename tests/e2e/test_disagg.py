@@ -1,0 +1,77 @@
+"""PD disaggregation end to end: router + prefill + decode processes over the tcp transport.
+Reference: the greedy output of a collocated server on the same model."""
+import concurrent.futures as cf
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import ENGINE_ARGS, KV_CONFIG, Proc, metric, wait_all_blocks_free
+from tests.server.conftest import free_port
+
+PROMPTS = [f"Question: Tom has {n} apples and buys {n + 3} more. How many now?\nAnswer:" for n in range(12)]
+PROMPTS += ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+            "How many clips did Natalia sell altogether in April and May?"] * 2
+
+
+def generate(base_url: str, prompts: list[str]) -> list[str]:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def one(i: int) -> str:
+        kw = dict(model="default", prompt=prompts[i], max_tokens=16, temperature=0)
+        if i % 2:  # half of them streamed
+            return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+        return client.completions.create(**kw).choices[0].text
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir, tmp_path_factory):
+    p = Proc("collocated", ["--model", str(model_dir), "--served-model-name", "default", *ENGINE_ARGS],
+             tmp_path_factory.mktemp("colloc")).wait_healthy()
+    try:
+        return generate(p.url, PROMPTS)
+    finally:
+        p.stop()
+
+
+def start_deployment(model_dir, log_dir, mode: str, num_prefill: int = 1, num_decode: int = 1,
+                     instance_timeout: float = 5.0):
+    registry = free_port()
+    router = Proc("router", ["--role", "router", "--registry-port", str(registry), "--kv-mode", mode,
+                             "--instance-timeout", str(instance_timeout), "--request-timeout", "60"], log_dir)
+    router_reg = f"127.0.0.1:{registry}"
+    instances = []
+    for role, n in (("prefill", num_prefill), ("decode", num_decode)):
+        for i in range(n):
+            instances.append(Proc(f"{role}{i}", ["--role", role, "--model", str(model_dir), "--served-model-name",
+                                                  "default", "--router-address", router_reg,
+                                                  "--kv-transfer-config", KV_CONFIG, *ENGINE_ARGS], log_dir))
+    for p in instances:
+        p.wait_healthy()
+    router.wait_healthy(60)
+    deadline = time.monotonic() + 30
+    while len(httpx.get(f"{router.url}/instances").json().get("instances", [])) < len(instances):
+        assert time.monotonic() < deadline, httpx.get(f"{router.url}/instances").text
+        time.sleep(0.3)
+    return router, instances
+
+
+@pytest.mark.parametrize("mode,num_p,num_d", [("read", 1, 1), ("write", 1, 1), ("write", 2, 2)])
+def test_disagg_matches_collocated(model_dir, tmp_path, expected, mode, num_p, num_d):
+    router, instances = start_deployment(model_dir, tmp_path, mode, num_p, num_d)
+    try:
+        assert generate(router.url, PROMPTS) == expected
+        decodes = [p for p in instances if p.name.startswith("decode")]
+        prefills = [p for p in instances if p.name.startswith("prefill")]
+        # Every decode request but the ones whose prompt is a single block got its KV remotely.
+        assert sum(metric(d.url, "num_remote_prefills") for d in decodes) >= len(PROMPTS) - 1
+        if num_p > 1:
+            assert all(metric(p.url, "prompt_tokens_total") > 0 for p in prefills)
+        wait_all_blocks_free([p.url for p in instances])
+    finally:
+        for p in [router, *instances]:
+            p.stop()
