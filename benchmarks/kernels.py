@@ -1,0 +1,277 @@
+"""Time each Triton kernel against torch doing the same work, next to the device's ceilings.
+
+Ceilings are measured in the same run: a device-to-device copy (bytes read + written) and a
+bf16 8192^3 matmul. Each row reports the Triton time, the torch time, the bytes the kernel must
+move at least and the flops it must do, and the fraction of the ceilings reached.
+Shapes: Llama-3-8B (hidden 4096, 32/8 heads, head_dim 128, block 16) and Qwen3-30B-A3B MoE
+(hidden 2048, 128 experts, top-8, intermediate 768). Usage: python benchmarks/kernels.py [--out F]
+"""
+import argparse
+import json
+import math
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels.attention import store_kvcache_ref  # noqa: E402
+from kernels.moe import fused_experts_ref, topk_routing  # noqa: E402
+from kernels.norm import fused_add_rms_norm_ref  # noqa: E402
+from kernels.rotary import apply_rotary_ref, build_cos_sin_cache  # noqa: E402
+from kernels.triton.activation import silu_and_mul_triton  # noqa: E402
+from kernels.triton.attention import (  # noqa: E402
+    _paged_attention, paged_attention_triton, store_kvcache_triton)
+from kernels.triton.moe import fused_experts_triton  # noqa: E402
+from kernels.triton.norm import fused_add_rms_norm_triton, rms_norm_triton  # noqa: E402
+from kernels.triton.rotary import apply_rotary_triton  # noqa: E402
+
+DEV, BF16 = "cuda", torch.bfloat16
+HQ, HK, D, PAGE, HIDDEN = 32, 8, 128, 16, 4096
+ROWS: list[dict] = []
+
+
+def bench(fn, graph: bool = True) -> float:
+    """Median milliseconds of GPU time; do_bench flushes L2 before each repetition.
+
+    graph: time replays of a CUDA graph of fn (as the engine runs decode), so that host launch
+    overhead stays out; off for torch code that syncs with the host and cannot be captured.
+    """
+    if not graph:
+        return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            fn()
+    except RuntimeError as e:
+        print(f"capture failed ({str(e).splitlines()[0][:80]}); timing eagerly")
+        torch.cuda.synchronize()
+        return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    t = do_bench(g.replay, warmup=25, rep=100, return_mode="median")
+    del g
+    return t
+
+
+def ceilings() -> tuple[float, float]:
+    src = torch.randn(256 * 2**20, device=DEV)  # 1 GiB
+    dst = torch.empty_like(src)
+    gbps = 2 * src.numel() * 4 / bench(lambda: dst.copy_(src), graph=False) / 1e6
+    a, b = torch.randn(8192, 8192, device=DEV, dtype=BF16), torch.randn(8192, 8192, device=DEV, dtype=BF16)
+    tflops = 2 * 8192**3 / bench(lambda: a @ b, graph=False) / 1e9
+    return gbps, tflops
+
+
+def record(kernel, shape, t_triton, t_torch, nbytes, flops, torch_name, **extra):
+    ROWS.append(dict(kernel=kernel, shape=shape, triton_us=t_triton * 1e3, torch_us=t_torch * 1e3,
+                     torch_impl=torch_name, bytes=nbytes, flops=flops,
+                     gbps=nbytes / t_triton / 1e6, tflops=flops / t_triton / 1e9, **extra))
+
+
+def paged_setup(batch, ctx, q_len):
+    blocks = -(-ctx // PAGE)
+    num_blocks = batch * blocks + 16
+    kc = torch.randn(num_blocks, PAGE, HK, D, device=DEV, dtype=BF16)
+    vc = torch.randn_like(kc)
+    bt = torch.randperm(num_blocks, device=DEV)[:batch * blocks].view(batch, blocks).int()
+    seq_lens = torch.full((batch,), ctx, device=DEV, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * q_len
+    q = torch.randn(batch * q_len, HQ, D, device=DEV, dtype=BF16)
+    return q, kc, vc, bt, seq_lens, qsl
+
+
+def sdpa(q, k, v, causal):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+
+def bench_attention():
+    for batch, ctx in [(1, 1024), (1, 8192), (8, 1024), (8, 4096), (8, 8192),
+                       (64, 1024), (64, 4096), (64, 8192)]:
+        q, kc, vc, bt, sl, qsl = paged_setup(batch, ctx, 1)
+        t = bench(lambda: paged_attention_triton(q, kc, vc, bt, sl, qsl, D**-0.5, 1, ctx))
+        qs = q.view(batch, 1, HQ, D).transpose(1, 2)
+        k = torch.randn(batch, HK, ctx, D, device=DEV, dtype=BF16)
+        v = torch.randn_like(k)
+        t_ref = bench(lambda: sdpa(qs, k, v, False))
+        nbytes = 2 * k.numel() * 2 + 2 * q.numel() * 2
+        record("attn_decode", f"B={batch} ctx={ctx}", t, t_ref, nbytes, 4 * batch * HQ * ctx * D, "sdpa(gqa)")
+    for ctx in (4096,):
+        q, kc, vc, bt, sl, qsl = paged_setup(1, ctx, ctx)
+        t = bench(lambda: paged_attention_triton(q, kc, vc, bt, sl, qsl, D**-0.5, ctx, ctx))
+        qs = q.view(1, ctx, HQ, D).transpose(1, 2)
+        k = torch.randn(1, HK, ctx, D, device=DEV, dtype=BF16)
+        v = torch.randn_like(k)
+        t_ref = bench(lambda: sdpa(qs, k, v, True))
+        flops = 4 * HQ * D * ctx * (ctx + 1) / 2
+        record("attn_prefill", f"T={ctx} causal", t, t_ref, 4 * q.numel() * 2, flops, "sdpa(gqa,causal)")
+    # 4 chunked-prefill chunks of 512 behind 3584 tokens of context, plus 60 decodes at 2k
+    q_lens, ctx_lens = [512] * 4 + [1] * 60, [4096] * 4 + [2048] * 60
+    blocks = [-(-c // PAGE) for c in ctx_lens]
+    kc = torch.randn(sum(blocks) + 16, PAGE, HK, D, device=DEV, dtype=BF16)
+    vc = torch.randn_like(kc)
+    bt = torch.zeros(len(blocks), max(blocks), device=DEV, dtype=torch.int32)
+    perm, used = torch.randperm(kc.shape[0], device=DEV).int(), 0
+    for s, nb in enumerate(blocks):
+        bt[s, :nb] = perm[used:used + nb]
+        used += nb
+    sl = torch.tensor(ctx_lens, device=DEV, dtype=torch.int32)
+    qsl = torch.tensor([0] + q_lens, device=DEV).cumsum(0).int()
+    q = torch.randn(sum(q_lens), HQ, D, device=DEV, dtype=BF16)
+    t = bench(lambda: paged_attention_triton(q, kc, vc, bt, sl, qsl, D**-0.5, 512, 4096))
+    flops = sum(4 * HQ * D * ql * (c - ql + (ql + 1) / 2) for ql, c in zip(q_lens, ctx_lens))
+    nbytes = sum(2 * c * HK * D * 2 for c in ctx_lens) + 4 * q.numel()
+    record("attn_mixed", "4x512 chunks@4k + 60 dec@2k", t, float("nan"), nbytes, flops, "-")
+
+
+def bench_store_kvcache():
+    for T in (64, 4096):
+        key = torch.randn(T, HK, D, device=DEV, dtype=BF16)
+        val = torch.randn_like(key)
+        kc = torch.randn(8192, PAGE, HK, D, device=DEV, dtype=BF16)
+        vc = torch.randn_like(kc)
+        slots = torch.randperm(8192 * PAGE, device=DEV)[:T]
+        t = bench(lambda: store_kvcache_triton(key, val, kc, vc, slots))
+        t_ref = bench(lambda: store_kvcache_ref(key, val, kc, vc, slots), graph=False)
+        record("store_kvcache", f"T={T}", t, t_ref, 4 * key.numel() * 2, 0, "index_put (eager)")
+
+
+def bench_norms():
+    w = torch.randn(HIDDEN, device=DEV, dtype=BF16)
+    for T in (1, 64, 4096):
+        x = torch.randn(T, HIDDEN, device=DEV, dtype=BF16)
+        r = torch.randn_like(x)
+        t = bench(lambda: rms_norm_triton(x, w, 1e-5))
+        t_ref = bench(lambda: F.rms_norm(x, (HIDDEN,), w, 1e-5))
+        record("rms_norm", f"T={T} H={HIDDEN}", t, t_ref, 2 * x.numel() * 2, 0, "F.rms_norm")
+        t = bench(lambda: fused_add_rms_norm_triton(x, r, w, 1e-5))
+        t_ref = bench(lambda: fused_add_rms_norm_ref(x, r, w, 1e-5))
+        record("fused_add_rms_norm", f"T={T} H={HIDDEN}", t, t_ref, 4 * x.numel() * 2, 0, "torch ref")
+
+
+def bench_rotary():
+    inv_freq = 1.0 / (500000 ** (torch.arange(0, D, 2, device=DEV).float() / D))
+    cache = build_cos_sin_cache(inv_freq, 8192)
+    for T in (64, 4096):
+        q = torch.randn(T, HQ, D, device=DEV, dtype=BF16)
+        k = torch.randn(T, HK, D, device=DEV, dtype=BF16)
+        pos = torch.randint(0, 8192, (T,), device=DEV)
+        t = bench(lambda: apply_rotary_triton(pos, q, k, cache))
+        t_ref = bench(lambda: apply_rotary_ref(pos, q, k, cache))
+        nbytes = 2 * (q.numel() + k.numel()) * 2 + T * D * 4
+        record("rotary", f"T={T}", t, t_ref, nbytes, 0, "torch ref")
+
+
+def bench_silu():
+    for T in (64, 4096):
+        x = torch.randn(T, 2 * 14336, device=DEV, dtype=BF16)
+        t = bench(lambda: silu_and_mul_triton(x))
+        t_ref = bench(lambda: F.silu(x[:, :14336]) * x[:, 14336:])
+        record("silu_and_mul", f"T={T} I=14336", t, t_ref, x.numel() * 2 * 3 // 2, 0, "F.silu*mul")
+
+
+def _moe_grouped_mm(x, w13_t, w2_t, weights, ids):
+    """torch._grouped_mm over expert-sorted (token, slot) pairs: the same work, torch's kernel."""
+    E, k = w13_t.shape[0], ids.shape[1]
+    flat = ids.flatten().long()
+    order = torch.argsort(flat, stable=True)
+    offs = torch.bincount(flat, minlength=E).cumsum(0).int()
+    xs = x[order // k]
+    h = torch._grouped_mm(xs, w13_t, offs=offs)
+    g, u = h.chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(g) * u, w2_t, offs=offs)
+    y = y * weights.flatten()[order, None].to(y.dtype)
+    return torch.zeros(x.shape[0] * k, x.shape[1], device=x.device, dtype=y.dtype).index_copy_(
+        0, order, y).view(-1, k, x.shape[1]).sum(1)
+
+
+def bench_moe():
+    E, k, H, inter = 128, 8, 2048, 768
+    w13 = torch.randn(E, 2 * inter, H, device=DEV, dtype=BF16) / math.sqrt(H)
+    w2 = torch.randn(E, H, inter, device=DEV, dtype=BF16) / math.sqrt(inter)
+    w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
+    for T in (1, 8, 64, 4096):
+        x = torch.randn(T, H, device=DEV, dtype=BF16)
+        weights, ids = topk_routing(torch.randn(T, E, device=DEV), k, renormalize=True)
+        t = bench(lambda: fused_experts_triton(x, w13, w2, weights, ids))
+        t_eager = bench(lambda: fused_experts_triton(x, w13, w2, weights, ids), graph=False)
+        name = "torch._grouped_mm (eager)"
+        try:
+            t_ref = bench(lambda: _moe_grouped_mm(x, w13_t, w2_t, weights, ids), graph=False)
+        except (RuntimeError, AttributeError) as e:  # not on this torch/GPU: the per-expert loop
+            print(f"grouped_mm unavailable ({str(e).splitlines()[0][:80]}); timing the loop")
+            name = "loop of matmuls (eager)"
+            t_ref = bench(lambda: fused_experts_ref(x, w13, w2, weights, ids), graph=False)
+        active = torch.unique(ids).numel()
+        nbytes = active * 3 * H * inter * 2 + 2 * x.numel() * 2
+        record("moe_experts", f"T={T} active={active}", t, t_ref, nbytes, 2 * T * k * 3 * H * inter, name,
+               triton_eager_us=t_eager * 1e3)
+        print(f"moe T={T}: triton eager {t_eager * 1e3:.1f} us (graph {t * 1e3:.1f} us)")
+
+
+def sweep():
+    """Tile-shape variants of the prefill attention kernel, and where MoE decode time goes."""
+    ctx = 4096
+    q, kc, vc, bt, sl, qsl = paged_setup(1, ctx, ctx)
+    for bm, bn, w, st in [(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 4), (128, 128, 4, 3),
+                          (64, 128, 4, 2), (256, 64, 8, 2)]:
+        plan = dict(BLOCK_M=bm, BLOCK_N=bn, NUM_SPLITS=1, num_warps=w, num_stages=st)
+        try:
+            t = bench(lambda: _paged_attention(q, kc, vc, bt, sl, qsl, D**-0.5, ctx, ctx, plan=plan))
+            tf = 4 * HQ * D * ctx * (ctx + 1) / 2 / t / 1e9
+            print(f"sweep prefill 4k {plan}: {t * 1e3:.1f} us {tf:.0f} TFLOP/s")
+        except Exception as e:  # out of shared memory etc.
+            print(f"sweep prefill 4k {plan}: failed {str(e).splitlines()[0][:60]}")
+    E, k, H, inter = 128, 8, 2048, 768
+    w13 = torch.randn(E, 2 * inter, H, device=DEV, dtype=BF16) / math.sqrt(H)
+    w2 = torch.randn(E, H, inter, device=DEV, dtype=BF16) / math.sqrt(inter)
+    for T in (1, 4096):
+        x = torch.randn(T, H, device=DEV, dtype=BF16)
+        weights, ids = topk_routing(torch.randn(T, E, device=DEV), k, renormalize=True)
+        fused_experts_triton(x, w13, w2, weights, ids)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                fused_experts_triton(x, w13, w2, weights, ids)
+            torch.cuda.synchronize()
+        print(f"profile moe T={T} (20 calls)")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=40))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/out/kernels.json")
+    parser.add_argument("--only", default="", help="comma-separated: attention,store,norm,rotary,silu,moe")
+    parser.add_argument("--sweep", action="store_true", help="time tile-shape variants first")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    if args.sweep:
+        sweep()
+    gbps, tflops = ceilings()
+    print(f"device {torch.cuda.get_device_name()}: copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s")
+    benches = dict(attention=bench_attention, store=bench_store_kvcache, norm=bench_norms,
+                   rotary=bench_rotary, silu=bench_silu, moe=bench_moe)
+    for name, fn in benches.items():
+        if not args.only or name in args.only.split(","):
+            try:
+                fn()
+            except Exception:  # report and go on: one broken section must not hide the others
+                traceback.print_exc()
+    print(f"{'kernel':<19}{'shape':<30}{'triton us':>10}{'torch us':>10}{'speedup':>8}"
+          f"{'GB/s':>7}{'%bw':>5}{'TF/s':>7}{'%mm':>5}")
+    for r in ROWS:
+        r["pct_bw"], r["pct_mm"] = 100 * r["gbps"] / gbps, 100 * r["tflops"] / tflops
+        print(f"{r['kernel']:<19}{r['shape']:<30}{r['triton_us']:>10.1f}{r['torch_us']:>10.1f}"
+              f"{r['torch_us'] / r['triton_us']:>8.2f}{r['gbps']:>7.0f}{r['pct_bw']:>5.0f}"
+              f"{r['tflops']:>7.1f}{r['pct_mm']:>5.0f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_gbps=gbps,
+                                   matmul_tflops=tflops, rows=ROWS), indent=1))
+
+
+if __name__ == "__main__":
+    main()

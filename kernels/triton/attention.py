@@ -1,0 +1,320 @@
+"""Paged attention and KV-cache store in Triton (CUDA and ROCm).
+
+Same contract as `kernels.attention`: k_cache/v_cache are [num_blocks, block_size, Hk, D], one
+flat batch of query tokens serves prefill, chunked prefill and decode. One kernel does all three:
+a program owns a tile of BLOCK_Q query tokens x all GROUP query heads of one kv head (the K/V
+tiles are read once for the whole GQA group) and walks the context with an online softmax.
+When the grid would be too small to fill the GPU (decode, short batches) the context is split
+into NUM_SPLITS chunks whose partial results a second kernel merges (split-K / flash-decoding).
+A batch that may hold prefills is launched twice, narrow tiles for the decode-like sequences and
+128-row tiles for the rest (`_launch_plans`). Launches derive from tensor shapes and python
+bounds only (no host sync, graph-capturable); wrong bounds cost speed, never correctness.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
+    num_kv_heads, head_dim,
+    PAGE: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    block, off = slot // PAGE, slot % PAGE
+    h = tl.arange(0, H_PAD)[:, None]
+    d = tl.arange(0, D_PAD)[None, :]
+    mask = (h < num_kv_heads) & (d < head_dim)
+    k = tl.load(key_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(value_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
+    k_dst = k_cache_ptr + block * stride_kcb + off * stride_kco + h * stride_kch + d
+    v_dst = v_cache_ptr + block * stride_vcb + off * stride_vco + h * stride_vch + d
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kvcache_triton(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """key, value: [T, Hk, D]; slot_mapping: [T] int (negative = padding, not stored)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    for t in (key, value, k_cache, v_cache):
+        if t.stride(-1) != 1:
+            raise ValueError(f"store_kvcache needs a unit stride on head_dim, got strides {t.stride()}")
+    _store_kvcache_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        num_kv_heads, head_dim,
+        PAGE=k_cache.shape[1], H_PAD=triton.next_power_of_2(num_kv_heads),
+        D_PAD=triton.next_power_of_2(head_dim), num_warps=4,
+    )
+
+
+@triton.jit
+def _attend_tiles(
+    acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos, lo, hi,
+    stride_kb, stride_ko, stride_vb, stride_vo, qk_scale,
+    MASKED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Online softmax over keys [lo, hi); MASKED applies the causal and the hi bound, else
+    every tile is full and loads go unpredicated."""
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        if MASKED:
+            in_range = n < hi
+            block = tl.load(bt_row + n // PAGE, mask=in_range, other=0).to(tl.int64)
+            kv_mask = in_range[:, None] & d_mask[None, :]
+        else:
+            block = tl.load(bt_row + n // PAGE).to(tl.int64)
+            kv_mask = d_mask[None, :]
+        off = (n % PAGE).to(tl.int64)
+        k = tl.load(k_base + block[:, None] * stride_kb + off[:, None] * stride_ko + d_off[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_base + block[:, None] * stride_vb + off[:, None] * stride_vo + d_off[None, :],
+                    mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+        if MASKED:
+            s = tl.where((n[None, :] <= q_pos[:, None]) & in_range[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale, num_seqs, min_q_len, max_q_len,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    q_block_global = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+
+    # Sequence s owns q blocks [start_s // BLOCK_Q + s, ...): binary search for ours.
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block_global:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block = q_block_global - (q_start // BLOCK_Q + seq)
+    if (q_block * BLOCK_Q >= q_len) | (q_len < min_q_len) | (q_len > max_q_len):
+        return  # past the sequence's queries, or the sequence belongs to the other launch
+    ctx_len = tl.load(seq_lens_ptr + seq)
+    ctx_offset = ctx_len - q_len  # context position of the sequence's first query token
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_block * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_mask = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = ctx_offset + tok
+    tok_idx = (q_start + tok).to(tl.int64)
+    d_off = tl.arange(0, D_PAD)
+    d_mask = d_off < HEAD_DIM
+    q = tl.load(q_ptr + tok_idx[:, None] * stride_qt + head[:, None] * stride_qh + d_off[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+
+    # Keys this tile can see: [0, kv_end); all of its rows see [0, first_pos].
+    kv_end = tl.minimum(ctx_len, ctx_offset + tl.minimum(q_len, (q_block + 1) * BLOCK_Q))
+    if NUM_SPLITS == 1:
+        kv_lo = 0
+        kv_hi = kv_end
+    else:
+        chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = tl.minimum(split * chunk, kv_end)
+        kv_hi = tl.minimum(kv_lo + chunk, kv_end)
+    first_pos = ctx_offset + q_block * BLOCK_Q
+    full_hi = tl.maximum(kv_lo, kv_lo + (tl.minimum(kv_hi, first_pos + 1) - kv_lo) // BLOCK_N * BLOCK_N)
+
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
+                                  kv_lo, full_hi, stride_kb, stride_ko, stride_vb, stride_vo,
+                                  qk_scale, False, PAGE, BLOCK_N)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
+                                  full_hi, kv_hi, stride_kb, stride_ko, stride_vb, stride_vo,
+                                  qk_scale, True, PAGE, BLOCK_N)
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + tok_idx[:, None] * stride_ot + head[:, None] * stride_oh + d_off[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    else:
+        # partials: acc [T, Hq, NUM_SPLITS, D_PAD], (m, l) [T, Hq, NUM_SPLITS, 2], all float32
+        part = (tok_idx * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * D_PAD + d_off[None, :], acc, mask=row_mask[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_mask)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr, num_seqs, max_q_len, head_dim,
+    stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, D_PAD: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    if t >= tl.load(query_start_loc_ptr + num_seqs):  # padding token: nothing was computed
+        return
+    lo = 0
+    hi = num_seqs
+    while lo < hi:  # the token's sequence: the last s with query_start_loc[s] <= t
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) <= t:
+            lo = mid + 1
+        else:
+            hi = mid
+    if tl.load(query_start_loc_ptr + lo) - tl.load(query_start_loc_ptr + lo - 1) > max_q_len:
+        return  # computed by the prefill launch, which wrote it directly
+    base = (t.to(tl.int64) * tl.num_programs(1) + h) * NUM_SPLITS
+    sp = tl.arange(0, NUM_SPLITS)
+    m = tl.load(part_ml_ptr + (base + sp) * 2)
+    l = tl.load(part_ml_ptr + (base + sp) * 2 + 1)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
+    denom = tl.sum(w * l, axis=0)
+    d_off = tl.arange(0, D_PAD)
+    acc = tl.load(part_acc_ptr + (base + sp)[:, None] * D_PAD + d_off[None, :])
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d_off,
+             out.to(out_ptr.dtype.element_ty), mask=d_off < head_dim)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+_ALL_Q = (0, 2**31 - 1)
+
+
+def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
+                  max_query_len: int | None, kv_bound: int) -> list[dict]:
+    """Launches (tile shapes, split count, q_len range each serves) from python bounds only.
+
+    A batch that may hold prefills gets two launches: narrow tiles (split-K where the grid is
+    small) for sequences whose queries fit one narrow tile, and wide tiles for the rest; each
+    launch's programs skip the other's sequences, so decodes never run on 128-row tiles.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    d_pad = triton.next_power_of_2(head_dim)
+    small = d_pad * q.element_size() <= 256  # 128-row K/V tiles fit shared memory, pipelined
+    block_m = max(16, triton.next_power_of_2(group))
+    block_q = block_m // group
+    q_bound = min(num_tokens, max_query_len) if max_query_len is not None else num_tokens
+    narrow_only = q_bound <= block_q or q_bound * group < 64
+    if not narrow_only and num_seqs == 1:
+        programs = 0  # no narrow launch
+    elif narrow_only:
+        programs = max(num_seqs, triton.cdiv(num_tokens, block_q)) * num_kv_heads
+    else:
+        programs = num_seqs * num_kv_heads  # the narrow launch serves one q tile per sequence
+    block_n = 128 if small else 64
+    splits = 1
+    sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
+    if 0 < programs < 2 * sms:
+        splits = triton.next_power_of_2(triton.cdiv(2 * sms, programs))
+        max_by_memory = 2**26 // (num_tokens * num_heads * d_pad * 4)  # partials under 64 MiB
+        splits = min(splits, 64, triton.next_power_of_2(max(1, kv_bound // block_n)))
+        splits = max(1, min(splits, 2 ** (max(1, max_by_memory).bit_length() - 1)))
+    narrow = dict(BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=4, num_stages=2)
+    if narrow_only:
+        return [dict(narrow, Q_RANGE=_ALL_Q)]
+    wide = dict(BLOCK_M=max(128 if small else 64, block_m), BLOCK_N=block_n, NUM_SPLITS=1,
+                num_warps=8, num_stages=3 if small and q.element_size() == 2 else 2)
+    if num_seqs == 1:
+        return [dict(wide, Q_RANGE=_ALL_Q)]
+    return [dict(narrow, Q_RANGE=(0, block_q)), dict(wide, Q_RANGE=(block_q + 1, _ALL_Q[1]))]
+
+
+def paged_attention_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+    max_query_len: int | None = None, max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """q: [T, Hq, D]; caches: [num_blocks, block_size, Hk, D]; block_tables: [S, max_blocks] int32;
+    seq_lens: [S] (context incl. the new tokens); query_start_loc: [S+1]. Returns [T, Hq, D].
+
+    Tokens past query_start_loc[S] (graph padding) are left unwritten, as in the reference.
+    """
+    return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                            max_query_len, max_seq_len)
+
+
+def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                     max_query_len=None, max_seq_len=None, plan: dict | None = None):
+    """paged_attention_triton with an optional explicit launch plan (benchmark sweeps)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    for t in (q, k_cache, v_cache):
+        if t.stride(-1) != 1:
+            raise ValueError(f"paged_attention needs a unit stride on head_dim, got strides {t.stride()}")
+    out = torch.empty_like(q)
+    num_seqs = query_start_loc.shape[0] - 1
+    if num_tokens == 0 or num_seqs <= 0:
+        return out
+    group = num_heads // num_kv_heads
+    kv_bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
+    plans = [dict(plan, Q_RANGE=_ALL_Q)] if plan else _launch_plans(
+        q, group, num_seqs, num_kv_heads, max_query_len, kv_bound)
+    d_pad = triton.next_power_of_2(head_dim)
+    for p in plans:
+        block_m, splits = p["BLOCK_M"], p["NUM_SPLITS"]
+        block_q = block_m // group
+        if splits > 1:
+            part_acc = torch.empty(num_tokens, num_heads, splits, d_pad, device=q.device, dtype=torch.float32)
+            part_ml = torch.empty(num_tokens, num_heads, splits, 2, device=q.device, dtype=torch.float32)
+        else:
+            part_acc = part_ml = out  # unused
+        grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
+        _paged_attention_kernel[grid](
+            q, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc,
+            scale * 1.4426950408889634, num_seqs, *p["Q_RANGE"],
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=p["BLOCK_N"], HEAD_DIM=head_dim,
+            D_PAD=d_pad, PAGE=page, NUM_SPLITS=splits, num_warps=p["num_warps"],
+            num_stages=p["num_stages"],
+        )
+        if splits > 1:
+            _merge_splits_kernel[(num_tokens, num_heads)](
+                out, part_acc, part_ml, query_start_loc, num_seqs, p["Q_RANGE"][1], head_dim,
+                out.stride(0), out.stride(1), NUM_SPLITS=splits, D_PAD=d_pad, num_warps=4,
+            )
+    return out

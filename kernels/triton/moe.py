@@ -1,0 +1,286 @@
+"""Fused MoE experts in Triton: align -> grouped GEMM w13 + SiLU-mul -> grouped GEMM w2 -> sum.
+
+Same contract as `kernels.moe.fused_experts_ref`. The (token, slot) pairs are grouped by expert
+into blocks of BLOCK_M rows (each expert's run padded to a multiple of BLOCK_M); a block holds
+one expert, so each program streams that expert's weight tile once for all its rows. Small
+batches (decode) group in one Triton program, large ones in three launches (count per chunk,
+prefix, scatter); no host sync either way. Pairs with a negative expert id (experts owned
+elsewhere) are skipped.
+
+Grouping produces, for max_blocks = cdiv(P, BLOCK_M) + min(E, P) blocks (P = T * top_k):
+  sorted_pairs:  [max_blocks * BLOCK_M] int32, pair index (token * top_k + slot) of each row
+  block_expert:  [max_blocks] int32, the block's expert, -1 for an unused block
+  block_rows:    [max_blocks] int32, how many leading rows of the block are real pairs
+"""
+import torch
+import triton
+import triton.language as tl
+
+_SMALL_PAIRS = 1024  # at most this many pairs: one-program grouping kernel
+_CHUNK = 128  # pairs per program (large batches) / per step (small batches)
+
+
+@triton.jit
+def _rank_in_chunk(e, CHUNK: tl.constexpr):
+    """For each pair of the chunk: how many earlier pairs of the chunk chose the same expert."""
+    i = tl.arange(0, CHUNK)
+    same = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None])
+    return tl.sum(same.to(tl.int32), axis=1)
+
+
+@triton.jit
+def _write_blocks(counts, block_expert_ptr, block_rows_ptr, max_blocks,
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
+    """Expert segments padded to BLOCK_M rows -> each block's expert and real row count.
+    Returns each expert's first row."""
+    ex = tl.arange(0, E_PAD)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    seg_end = tl.cumsum(padded, axis=0)
+    seg_start = seg_end - padded
+    total = tl.sum(padded, axis=0)
+    for b0 in range(0, max_blocks, 64):
+        b = b0 + tl.arange(0, 64)
+        row0 = b * BLOCK_M
+        # block b belongs to the first expert whose segment ends after row0
+        expert = tl.sum((seg_end[None, :] <= row0[:, None]).to(tl.int32), axis=1)
+        is_mine = (ex[None, :] == expert[:, None]).to(tl.int32)
+        real_end = tl.sum(is_mine * (seg_start + counts)[None, :], axis=1)
+        rows = tl.minimum(tl.maximum(real_end - row0, 0), BLOCK_M)
+        in_use = row0 < total
+        tl.store(block_expert_ptr + b, tl.where(in_use, expert, -1), mask=b < max_blocks)
+        tl.store(block_rows_ptr + b, tl.where(in_use, rows, 0), mask=b < max_blocks)
+    return seg_start
+
+
+@triton.jit
+def _align_small_kernel(
+    ids_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, num_pairs, num_experts, max_blocks,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Whole grouping in one program (decode-sized batches: one launch)."""
+    ex = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        p = c0 + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
+        counts += tl.sum(((e[:, None] == ex[None, :]) & (e[:, None] < num_experts)).to(tl.int32), axis=0)
+    seg_start = _write_blocks(counts, block_expert_ptr, block_rows_ptr, max_blocks, BLOCK_M, E_PAD)
+    seen = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        p = c0 + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
+        valid = (e >= 0) & (e < num_experts)
+        hit = ((e[:, None] == ex[None, :]) & valid[:, None]).to(tl.int32)
+        base = tl.sum(hit * (seg_start + seen)[None, :], axis=1)
+        tl.store(sorted_ptr + base + _rank_in_chunk(e, CHUNK), p, mask=valid)
+        seen += tl.sum(hit, axis=0)
+
+
+@triton.jit
+def _align_count_kernel(ids_ptr, chunk_counts_ptr, num_pairs, num_experts,
+                        E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Large batches, step 1 of 3: per-chunk expert histogram [num_chunks, E_PAD]."""
+    c = tl.program_id(0)
+    p = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
+    ex = tl.arange(0, E_PAD)
+    hit = ((e[:, None] == ex[None, :]) & (e[:, None] < num_experts)).to(tl.int32)
+    tl.store(chunk_counts_ptr + c * E_PAD + ex, tl.sum(hit, axis=0))
+
+
+@triton.jit
+def _align_offsets_kernel(chunk_counts_ptr, seg_start_ptr, block_expert_ptr, block_rows_ptr,
+                          num_chunks, max_blocks,
+                          BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr):
+    """Step 2 (one program): chunk counts -> exclusive prefix per expert (in place), segments."""
+    ex = tl.arange(0, E_PAD)
+    running = tl.zeros([E_PAD], dtype=tl.int32)
+    for r0 in range(0, num_chunks, ROWS):
+        r = r0 + tl.arange(0, ROWS)
+        ptrs = chunk_counts_ptr + r[:, None] * E_PAD + ex[None, :]
+        cnt = tl.load(ptrs, mask=(r < num_chunks)[:, None], other=0)
+        tl.store(ptrs, tl.cumsum(cnt, axis=0) - cnt + running[None, :], mask=(r < num_chunks)[:, None])
+        running += tl.sum(cnt, axis=0)
+    seg_start = _write_blocks(running, block_expert_ptr, block_rows_ptr, max_blocks, BLOCK_M, E_PAD)
+    tl.store(seg_start_ptr + ex, seg_start)
+
+
+@triton.jit
+def _align_scatter_kernel(ids_ptr, chunk_base_ptr, seg_start_ptr, sorted_ptr, num_pairs, num_experts,
+                          E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Step 3: each pair's row = segment start + pairs of its expert in earlier chunks + rank."""
+    c = tl.program_id(0)
+    p = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
+    valid = (e >= 0) & (e < num_experts)
+    start = tl.load(seg_start_ptr + e, mask=valid, other=0)
+    before = tl.load(chunk_base_ptr + c * E_PAD + e, mask=valid, other=0)
+    tl.store(sorted_ptr + start + before + _rank_in_chunk(e, CHUNK), p, mask=valid)
+
+
+def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int, max_blocks: int):
+    """Group the (token, slot) pairs by expert; see the module docstring. No host sync."""
+    dev, num_pairs = topk_ids.device, topk_ids.numel()
+    e_pad = triton.next_power_of_2(num_experts)
+    sorted_pairs = torch.empty(max_blocks * block_m, device=dev, dtype=torch.int32)
+    block_expert = torch.empty(max_blocks, device=dev, dtype=torch.int32)
+    block_rows = torch.empty(max_blocks, device=dev, dtype=torch.int32)
+    if num_pairs <= _SMALL_PAIRS:
+        _align_small_kernel[(1,)](
+            topk_ids, sorted_pairs, block_expert, block_rows, num_pairs, num_experts, max_blocks,
+            BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_CHUNK // 2, num_warps=8,
+        )
+        return sorted_pairs, block_expert, block_rows
+    num_chunks = triton.cdiv(num_pairs, _CHUNK)
+    chunk_counts = torch.empty(num_chunks, e_pad, device=dev, dtype=torch.int32)
+    seg_start = torch.empty(e_pad, device=dev, dtype=torch.int32)
+    _align_count_kernel[(num_chunks,)](topk_ids, chunk_counts, num_pairs, num_experts,
+                                       E_PAD=e_pad, CHUNK=_CHUNK, num_warps=4)
+    _align_offsets_kernel[(1,)](chunk_counts, seg_start, block_expert, block_rows, num_chunks,
+                                max_blocks, BLOCK_M=block_m, E_PAD=e_pad, ROWS=16, num_warps=8)
+    _align_scatter_kernel[(num_chunks,)](topk_ids, chunk_counts, seg_start, sorted_pairs, num_pairs,
+                                         num_experts, E_PAD=e_pad, CHUNK=_CHUNK, num_warps=4)
+    return sorted_pairs, block_expert, block_rows
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, topk_w_ptr,
+    N, K, stride_am, stride_we, stride_wn, stride_om, num_n_tiles,
+    TOP_K: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """out[rows] = a[rows] @ w[e].T for the BLOCK_M rows of one expert block.
+
+    GATHER_A: a row is x[pair // TOP_K] (first GEMM) instead of the block's own row (second).
+    GATED: w[e] is [2N, K] as [gate | up]; the program writes silu(a @ gate.T) * (a @ up.T).
+    SCATTER_OUT: row goes to out[pair] scaled by topk_w[pair], else to the block's own row.
+    """
+    # N tiles vary fastest: the programs in flight share the block's rows and the expert's weights
+    pid = tl.program_id(0)
+    block = pid // num_n_tiles
+    pid_n = pid % num_n_tiles
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:
+        return
+    n_rows = tl.load(block_rows_ptr + block)
+    rm = tl.arange(0, BLOCK_M)
+    row_mask = rm < n_rows
+    own_row = block.to(tl.int64) * BLOCK_M + rm
+    pair = tl.load(sorted_ptr + own_row, mask=row_mask, other=0).to(tl.int64)
+    a_row = pair // TOP_K if GATHER_A else own_row
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + rk[None, :]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (rk < K - k0) | EVEN_K  # folds away when K is a multiple of BLOCK_K
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[None, :] & k_mask[:, None]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        acc = tl.dot(a, w.to(a.dtype), acc)
+        if GATED:
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+            acc_up = tl.dot(a, w_up.to(a.dtype), acc_up)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out_ty = out_ptr.dtype.element_ty
+    if GATED:  # rounded like the reference: silu(gate) * up on x.dtype values
+        gate = acc.to(out_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+        acc = act * acc_up.to(out_ty).to(tl.float32)
+    if SCATTER_OUT:
+        weight = tl.load(topk_w_ptr + pair, mask=row_mask, other=0.0).to(out_ty).to(tl.float32)
+        acc = acc.to(out_ty).to(tl.float32) * weight[:, None]
+        out_row = pair
+    else:
+        out_row = own_row
+    tl.store(out_ptr + out_row[:, None] * stride_om + rn[None, :], acc.to(out_ty),
+             mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _sum_topk_kernel(pair_out_ptr, ids_ptr, out_ptr, H, num_experts,
+                     TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.arange(0, K_PAD)
+    e = tl.load(ids_ptr + t * TOP_K + slot, mask=slot < TOP_K, other=-1)
+    valid = (e >= 0) & (e < num_experts)
+    v = tl.load(pair_out_ptr + (t * TOP_K + slot)[:, None] * H + cols[None, :],
+                mask=valid[:, None] & (cols < H)[None, :], other=0.0)
+    tl.store(out_ptr + t * H + cols, tl.sum(v.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty),
+             mask=cols < H)
+
+
+def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
+    """Tile shapes by rows per expert: tiny blocks and deep K tiles when memory-bound (decode)."""
+    rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
+    if rows_per_expert <= 16:
+        cfg = dict(BLOCK_M=16, BLOCK_N1=64, BLOCK_N2=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    elif rows_per_expert <= 64:
+        cfg = dict(BLOCK_M=32, BLOCK_N1=64, BLOCK_N2=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    else:
+        cfg = dict(BLOCK_M=128, BLOCK_N1=128, BLOCK_N2=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    if dtype.itemsize > 2:  # same shared memory per stage for 4-byte operands
+        cfg.update(BLOCK_K=cfg["BLOCK_K"] // 2, num_stages=min(cfg["num_stages"], 3))
+    return cfg
+
+
+def fused_experts_triton(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_weights: [T, k]; topk_ids: [T, k] int
+    (negative = skipped). Returns sum_k weight_k * expert_k(x): [T, H] in x.dtype."""
+    return _fused_experts(x, w13, w2, topk_weights, topk_ids)
+
+
+def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None):
+    """fused_experts_triton with an optional explicit tile config (benchmark sweeps)."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
+    w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
+    topk_ids = topk_ids.contiguous()
+    topk_weights = topk_weights.contiguous()
+    cfg = cfg or _config(num_pairs, num_experts, x.dtype)
+    block_m = cfg["BLOCK_M"]
+    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+    sorted_pairs, block_expert, block_rows = _align(topk_ids, num_experts, block_m, max_blocks)
+
+    meta = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], BLOCK_M=block_m,
+                BLOCK_K=cfg["BLOCK_K"], TOP_K=top_k)
+    act = torch.empty(max_blocks * block_m, inter, device=x.device, dtype=x.dtype)
+    n_tiles = triton.cdiv(inter, cfg["BLOCK_N1"])
+    _grouped_gemm_kernel[(max_blocks * n_tiles,)](
+        x, w13, act, sorted_pairs, block_expert, block_rows, topk_weights,
+        inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), n_tiles,
+        GATHER_A=True, SCATTER_OUT=False, GATED=True, EVEN_K=hidden % cfg["BLOCK_K"] == 0,
+        BLOCK_N=cfg["BLOCK_N1"], **meta,
+    )
+    pair_out = torch.empty(num_pairs, hidden, device=x.device, dtype=x.dtype)
+    n_tiles = triton.cdiv(hidden, cfg["BLOCK_N2"])
+    _grouped_gemm_kernel[(max_blocks * n_tiles,)](
+        act, w2, pair_out, sorted_pairs, block_expert, block_rows, topk_weights,
+        hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), n_tiles,
+        GATHER_A=False, SCATTER_OUT=True, GATED=False, EVEN_K=inter % cfg["BLOCK_K"] == 0,
+        BLOCK_N=cfg["BLOCK_N2"], **meta,
+    )
+    block = min(1024, triton.next_power_of_2(hidden))
+    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        pair_out, topk_ids, out, hidden, num_experts,
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK=block, num_warps=4,
+    )
+    return out

@@ -1,0 +1,187 @@
+"""Triton kernels against their torch references on fresh random inputs (GPU only).
+
+Reference for each test: the `*_ref` function of the same kernel family in `kernels/`.
+Outputs the kernels allocate are poisoned by first filling the allocator's cached memory with NaN.
+"""
+import math
+
+import pytest
+import torch
+
+from kernels.activation import silu_and_mul_ref
+from kernels.attention import paged_attention_ref, store_kvcache_ref
+from kernels.moe import fused_experts_ref, topk_routing
+from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.rotary import apply_rotary_ref, build_cos_sin_cache
+
+DEVICE = "cuda"
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 5e-3}  # float32 dots run as tf32
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "NaN in output (an element left unwritten?)"
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def _poison(nbytes: int) -> None:
+    """Leave NaN in the allocator's free blocks so that an unwritten output element shows up."""
+    junk = [torch.full((nbytes // 4 + 1024,), float("nan"), device=DEVICE) for _ in range(4)]
+    del junk
+
+
+def _paged_inputs(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, extra_tokens=0):
+    blocks = [-(-c // block_size) for c in ctx_lens]
+    num_blocks = sum(blocks) + 7
+    perm = torch.randperm(num_blocks, device=DEVICE)
+    block_tables = torch.zeros(len(ctx_lens), max(blocks) + 2, dtype=torch.int32, device=DEVICE)
+    used = 0
+    for s, nb in enumerate(blocks):
+        block_tables[s, :nb] = perm[used:used + nb].int()
+        used += nb
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, device=DEVICE).to(dtype)
+    v_cache = torch.randn(shape, device=DEVICE).to(dtype)
+    q = torch.randn(sum(q_lens) + extra_tokens, num_heads, head_dim, device=DEVICE).to(dtype)
+    seq_lens = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0] + list(q_lens), device=DEVICE).cumsum(0).to(torch.int32)
+    return q, k_cache, v_cache, block_tables, seq_lens, qsl
+
+
+ATTN_CASES = {
+    # name: (q_lens, ctx_lens)
+    "mixed": ([1, 37, 1, 100, 5, 1, 16, 4, 2], [1000, 37, 17, 300, 69, 16, 48, 900, 2]),
+    "decode": ([1] * 6, [8200, 1, 15, 16, 17, 1029]),
+    "long_decode": ([1], [9000]),
+    "prefill": ([300, 129], [300, 129]),
+    "chunked_long": ([64, 1], [8300, 4097]),
+}
+
+
+# every case with GQA 32/8 and 16/2 and plain MHA in bf16 and fp32 (head_dim 128 and 64); fp16 once
+ATTN_PARAMS = [(case, heads, head_dim, dtype)
+               for case in ATTN_CASES for heads in [(32, 8), (16, 2), (8, 8)]
+               for head_dim, dtype in [(128, torch.bfloat16), (64, torch.float32)]]
+ATTN_PARAMS += [("mixed", (32, 8), 128, torch.float16), ("decode", (16, 2), 64, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("case,heads,head_dim,dtype", ATTN_PARAMS)
+def test_paged_attention(case, heads, head_dim, dtype):
+    from kernels.triton.attention import paged_attention_triton
+    q_lens, ctx_lens = ATTN_CASES[case]
+    args = _paged_inputs(q_lens, ctx_lens, *heads, head_dim, 16, dtype)
+    scale = 1 / math.sqrt(head_dim)
+    ref = paged_attention_ref(*args, scale)
+    for bounds in ((None, None), (max(q_lens), max(ctx_lens))):
+        _poison(ref.numel() * 4 * 64)
+        out = paged_attention_triton(*args, scale, *bounds)
+        assert _rel(out, ref) < TOL[dtype], (case, bounds)
+
+
+def test_paged_attention_odd_head_dim_and_group():
+    from kernels.triton.attention import paged_attention_triton
+    args = _paged_inputs([3, 1, 50], [40, 77, 50], 28, 4, 80, 32, torch.bfloat16)
+    ref = paged_attention_ref(*args, 0.1)
+    assert _rel(paged_attention_triton(*args, 0.1), ref) < TOL[torch.bfloat16]
+
+
+def test_paged_attention_graph_capture():
+    """Decode under CUDA graph capture: no host sync, replays see new lengths."""
+    from kernels.triton.attention import paged_attention_triton
+    q, kc, vc, bt, seq_lens, qsl = _paged_inputs([1] * 4, [4000, 20, 2000, 100], 32, 8, 128, 16,
+                                                 torch.bfloat16)
+    paged_attention_triton(q, kc, vc, bt, seq_lens, qsl, 0.08, 1, None)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention_triton(q, kc, vc, bt, seq_lens, qsl, 0.08, 1, None)
+    for lens in ([4000, 20, 2000, 100], [3999, 1, 17, 4000]):
+        seq_lens.copy_(torch.tensor(lens, device=DEVICE))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        assert _rel(out, paged_attention_ref(q, kc, vc, bt, seq_lens, qsl, 0.08)) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kvcache(dtype):
+    from kernels.triton.attention import store_kvcache_triton
+    T, Hk, D, page = 70, 8, 128, 16
+    qkv = torch.randn(T, 32 + 2 * Hk, D, device=DEVICE).to(dtype)  # key/value as views of it
+    key, value = qkv[:, 32:32 + Hk], qkv[:, 32 + Hk:]
+    kc = torch.randn(40, page, Hk, D, device=DEVICE).to(dtype)
+    vc = torch.randn(40, page, Hk, D, device=DEVICE).to(dtype)
+    slots = torch.randperm(40 * page, device=DEVICE)[:T]
+    slots[::7] = -1
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    store_kvcache_ref(key, value, kc_ref, vc_ref, slots)
+    store_kvcache_triton(key, value, kc, vc, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
+@pytest.mark.parametrize("shape", [(1, 4096), (37, 4096), (5, 3, 1000), (2048, 2048)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(shape, dtype):
+    from kernels.triton.norm import fused_add_rms_norm_triton, rms_norm_triton
+    x = torch.randn(shape, device=DEVICE).to(dtype)
+    res = torch.randn(shape, device=DEVICE).to(dtype)
+    w = (1 + 0.1 * torch.randn(shape[-1], device=DEVICE)).to(dtype)
+    x0, res0 = x.clone(), res.clone()
+    _poison(x.numel() * 8)
+    assert _rel(rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)) < TOL[dtype] / 4
+    normed, s = fused_add_rms_norm_triton(x, res, w, 1e-5)
+    normed_ref, s_ref = fused_add_rms_norm_ref(x, res, w, 1e-5)
+    assert torch.equal(s, s_ref) and _rel(normed, normed_ref) < TOL[dtype] / 4
+    assert torch.equal(x, x0) and torch.equal(res, res0)
+
+
+@pytest.mark.parametrize("rot_fraction", [1.0, 0.5])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary(rot_fraction, dtype):
+    from kernels.triton.rotary import apply_rotary_triton
+    T, Hq, Hk, D = 333, 32, 8, 128
+    rot = int(D * rot_fraction)
+    inv_freq = 1.0 / (500000 ** (torch.arange(0, rot, 2, device=DEVICE).float() / rot))
+    cache = build_cos_sin_cache(inv_freq, 8192)
+    positions = torch.randint(0, 8192, (T,), device=DEVICE)
+    qkv = torch.randn(T, Hq + 2 * Hk, D, device=DEVICE).to(dtype)
+    q, k = qkv[:, :Hq], qkv[:, Hq:Hq + Hk]
+    q_ref, k_ref = apply_rotary_ref(positions, q.clone(), k.clone(), cache)
+    v_before = qkv[:, Hq + Hk:].clone()
+    q_out, k_out = apply_rotary_triton(positions, q, k, cache)
+    assert _rel(q_out, q_ref) < TOL[dtype] / 4 and _rel(k_out, k_ref) < TOL[dtype] / 4
+    assert torch.equal(qkv[:, Hq + Hk:], v_before)
+
+
+@pytest.mark.parametrize("shape", [(1, 2 * 14336), (77, 2 * 768), (4, 3, 2 * 100)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(shape, dtype):
+    from kernels.triton.activation import silu_and_mul_triton
+    x = torch.randn(shape, device=DEVICE).to(dtype)
+    _poison(x.numel() * 4)
+    assert _rel(silu_and_mul_triton(x), silu_and_mul_ref(x)) < TOL[dtype] / 4
+
+
+MOE_SHAPES = {"mixtral_like": (8, 2, 512, 384), "qwen3_30b_a3b": (128, 8, 2048, 768)}
+
+
+@pytest.mark.parametrize("model", list(MOE_SHAPES))
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 300, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_experts(model, num_tokens, dtype):
+    from kernels.triton.moe import fused_experts_triton
+    E, k, H, inter = MOE_SHAPES[model]
+    x = torch.randn(num_tokens, H, device=DEVICE).to(dtype)
+    w13 = (torch.randn(E, 2 * inter, H, device=DEVICE) / math.sqrt(H)).to(dtype)
+    w2 = (torch.randn(E, H, inter, device=DEVICE) / math.sqrt(inter)).to(dtype)
+    weights, ids = topk_routing(torch.randn(num_tokens, E, device=DEVICE), k, renormalize=True)
+    ids[::5, 0] = -1  # experts owned elsewhere
+    if num_tokens > 2:
+        ids[2, :] = -1
+    ref = fused_experts_ref(x, w13, w2, weights, ids)
+    _poison(num_tokens * k * H * 8)
+    out = fused_experts_triton(x, w13, w2, weights, ids)
+    assert _rel(out, ref) < TOL[dtype]
+    if num_tokens > 2:
+        assert torch.all(out[2] == 0)
