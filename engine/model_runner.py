@@ -61,6 +61,8 @@ class ModelRunner:
         self.hf_config = hf_config
         self.max_model_len = max_model_len
         self.device = resolve_device(device or config.model.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # Triton launches on the current device
         self.dtype = resolve_dtype(config.model.dtype, hf_config, self.device)
         self.vocab_size = hf_config.vocab_size
         self.block_size = config.cache.block_size
@@ -107,16 +109,23 @@ class ModelRunner:
 
     def _profile_free_memory(self) -> int:
         """Bytes left for the KV cache after weights and a full-budget forward pass."""
+        torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
+        weights = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         self._dummy_forward(n)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        # Memory other processes hold counts against us; our own peak is what we will reuse.
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        return int(total * self.config.cache.gpu_memory_utilization - used_by_others - peak)
+        # Memory other processes (and the CUDA context) hold counts against us.
+        others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.config.cache.gpu_memory_utilization - others - peak)
+        logger.info("GPU memory: %.1f GiB total, weights %.2f GiB, forward peak %.2f GiB, others %.2f GiB "
+                    "-> %.2f GiB for the KV cache", total / 2**30, weights / 2**30, peak / 2**30, others / 2**30,
+                    budget / 2**30)
+        return budget
 
     def _dummy_forward(self, num_tokens: int) -> None:
         a = self.attention_layers[0]

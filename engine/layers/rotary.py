@@ -28,6 +28,8 @@ class RotaryEmbedding(nn.Module):
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"unknown rope_type {rope_type!r} in the model config")
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+        # transformers computes inv_freq on the CPU; the cache lives where the model is built.
+        inv_freq = inv_freq.to(torch.get_default_device())
         self.register_buffer("cos_sin_cache", build_cos_sin_cache(inv_freq, max_positions, scaling),
                              persistent=False)
 

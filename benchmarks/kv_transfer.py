@@ -1,0 +1,107 @@
+"""KV transfer bandwidth between two instances' caches over a transport, against the
+peer-copy ceiling measured in the same run (one large device-to-device copy between the
+two GPUs).
+
+Two processes (prefill on --src-device, decode on --dst-device), each with a KV cache of a
+Llama-3-8B layout (32 layers, 8 kv heads, head dim 128, bf16, block 16 = 2 MiB a block),
+joined by the real KV agents. The decode side pulls N blocks (read mode) and times it.
+
+  python -m benchmarks.kv_transfer --transport ipc --blocks 64 256 1024
+"""
+import argparse
+import json
+import multiprocessing as mp
+import os
+import time
+
+import torch
+
+LAYOUT = dict(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128)
+
+
+def _cache(num_blocks: int, device: str) -> torch.Tensor:
+    L, bs, h, d = LAYOUT["num_layers"], LAYOUT["block_size"], LAYOUT["num_kv_heads"], LAYOUT["head_dim"]
+    return torch.randn(2, L, num_blocks, bs, h, d, dtype=torch.bfloat16, device=device)
+
+
+def _agent(cache: torch.Tensor, transport: str, name: str):
+    from connectors.agent import KVAgent
+    from connectors.protocol import KVLayout
+    from connectors.transport import make_transport
+
+    agent = KVAgent(name, cache, KVLayout(dtype="bfloat16", **LAYOUT), "127.0.0.1", 0, 30.0, lambda *a: None)
+    agent.transport = make_transport(transport, cache, agent)
+    return agent
+
+
+def _prefill(transport: str, device: str, num_blocks: int, addr_q, stop_q) -> None:
+    torch.cuda.set_device(device)
+    cache = _cache(num_blocks, device)
+    agent = _agent(cache, transport, "prefill")
+    addr_q.put(agent.address)
+    stop_q.get()
+    agent.close()
+
+
+def peer_copy_gbps(src: str, dst: str, nbytes: int = 1 << 30) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8, device=src)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dst)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize(src), torch.cuda.synchronize(dst)
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize(src), torch.cuda.synchronize(dst)
+    return 10 * nbytes / (time.perf_counter() - t) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--transport", default="ipc", choices=["ipc", "tcp"])
+    ap.add_argument("--src-device", default="cuda:0")
+    ap.add_argument("--dst-device", default="cuda:1")
+    ap.add_argument("--blocks", type=int, nargs="+", default=[16, 64, 256, 1024])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=None, help="write results as JSON here")
+    args = ap.parse_args()
+    num_blocks = max(args.blocks) + 8
+    ctx = mp.get_context("spawn")
+    addr_q, stop_q = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_prefill, args=(args.transport, args.src_device, num_blocks, addr_q, stop_q))
+    proc.start()
+    peer = addr_q.get(timeout=120)
+    torch.cuda.set_device(args.dst_device)
+    cache = _cache(num_blocks, args.dst_device)
+    agent = _agent(cache, args.transport, "decode")
+    agent.session(peer)
+    ceiling = peer_copy_gbps(args.src_device, args.dst_device)
+    block_bytes = cache[:, :, 0].numel() * cache.element_size()
+    rows = []
+    for n in args.blocks:
+        ids = list(range(n))
+        agent.transport.read(peer, "bench", ids, ids)  # warm-up
+        times = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            agent.transport.read(peer, "bench", ids, ids[::-1])
+            times.append(time.perf_counter() - t)
+        med = sorted(times)[len(times) // 2]
+        gbps = n * block_bytes / med / 1e9
+        rows.append(dict(blocks=n, mib=n * block_bytes / 2**20, ms=med * 1e3, gbps=gbps, of_ceiling=gbps / ceiling))
+    stop_q.put(None)
+    proc.join(30)
+    agent.close()
+    print(f"transport={args.transport} {args.src_device}->{args.dst_device} peer-copy ceiling {ceiling:.1f} GB/s "
+          f"(one way, 1 GiB copy, same run); block = {block_bytes / 2**20:.1f} MiB (8B layout, bf16)")
+    print(f"{'blocks':>7} {'MiB':>8} {'ms':>8} {'GB/s':>8} {'of ceiling':>10}")
+    for r in rows:
+        print(f"{r['blocks']:>7} {r['mib']:>8.0f} {r['ms']:>8.2f} {r['gbps']:>8.1f} {r['of_ceiling']:>10.0%}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(args=vars(args), ceiling_gbps=ceiling, rows=rows, date=time.strftime("%Y-%m-%d")), f, indent=1)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    main()

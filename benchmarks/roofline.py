@@ -1,0 +1,174 @@
+"""Engine step times against the hardware floors measured in the same run.
+
+Decode: time per step vs. the HBM floor = (weight bytes read + KV bytes read) / copy
+bandwidth (a large device-to-device copy, counting bytes read + written). Prefill: time of
+one 4k-token step vs. the matmul floor = 2 * params * tokens / bf16 matmul rate (8k^3 GEMM).
+Models are built with --load-format dummy from Hugging Face-shaped configs (no downloads).
+
+  python -m benchmarks.roofline --out results.json
+"""
+import argparse
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+MODELS = {
+    "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+                      intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                      rope_theta=500000.0, torch_dtype="bfloat16", tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          vocab_size=151936, max_position_embeddings=8192, rms_norm_eps=1e-6,
+                          rope_theta=1000000.0, torch_dtype="bfloat16", tie_word_embeddings=False),
+}
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 4 GiB device-to-device copy (read + write counted)."""
+    a = torch.empty(2**32, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    del a, b
+    return 2 * 10 * 2**32 / (time.perf_counter() - t)
+
+
+def matmul_rate() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn_like(a)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 10 * 2 * 8192**3 / (time.perf_counter() - t)
+
+
+def build(name: str, **kw):
+    from engine import LLM
+
+    d = Path(tempfile.mkdtemp()) / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(MODELS[name]))
+    return LLM(str(d), load_format="dummy", dtype="bfloat16", **kw)
+
+
+def param_bytes(llm, active_experts: int | None = None) -> int:
+    """Bytes of weights one decode step reads: all but the embedding (a gather of a few rows)
+    for dense; for MoE, the non-expert weights plus `active_experts` experts per layer (the
+    top-k of one token at batch 1)."""
+    total = 0
+    for name, p in llm.engine.runner.model.named_parameters():
+        if active_experts is not None and name.endswith((".w13", ".w2")):
+            total += p.numel() // p.shape[0] * active_experts * p.element_size()
+        elif "embed_tokens" not in name:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def time_decode(llm, batch: int, context: int, steps: int = 32) -> float:
+    """Median seconds per decode step with `batch` sequences at ~`context` tokens."""
+    from engine import SamplingParams
+    from engine.protocol import EngineRequest
+
+    core = llm.engine
+    for i in range(batch):
+        core.add_request(EngineRequest(f"r{i}", [(i * 7 + j) % 1000 + 1 for j in range(context)],
+                                       SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0)))
+    while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
+        core.step()
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        core.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    core.abort_requests(list(core.scheduler.requests))
+    core.step()
+    return sorted(times)[len(times) // 2]
+
+
+def time_prefill(llm, tokens: int) -> float:
+    from engine import SamplingParams
+    from engine.protocol import EngineRequest
+
+    core = llm.engine
+    best = float("inf")
+    for k in range(3):
+        core.add_request(EngineRequest(f"p{k}", [(j * 13 + k) % 1000 + 1 for j in range(tokens)],
+                                       SamplingParams(max_tokens=1, temperature=0)))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        core.step()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+        while core.has_unfinished_requests():
+            core.step()
+    return best
+
+
+def kv_bytes(llm, batch: int, context: int) -> int:
+    r = llm.engine.runner
+    return r.kv_bytes_per_block() * batch * -(-context // r.block_size)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=list(MODELS),
+                    help="run one model per process on an 80 GB GPU: a finished model's memory is not all returned")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    bw, mm = copy_bandwidth(), matmul_rate()
+    dev = torch.cuda.get_device_name()
+    print(f"{dev}: copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s (measured now)")
+    rows = []
+    for name in args.models:
+        moe = "moe" in MODELS[name]["model_type"]
+        llm = build(name, max_num_batched_tokens=4096, max_num_seqs=64, max_model_len=8192,
+                    gpu_memory_utilization=0.92)
+        for batch in ([1] if moe else [1, 64]):
+            t = time_decode(llm, batch, args.context)
+            wbytes = param_bytes(llm, MODELS[name]["num_experts_per_tok"] if moe else None)
+            # bw counts bytes read + written, which is what HBM moves per second either way.
+            floor = (wbytes + kv_bytes(llm, batch, args.context)) / bw
+            rows.append(dict(model=name, what=f"decode b={batch} ctx={args.context}", ms=t * 1e3,
+                             floor_ms=floor * 1e3, of_floor=floor / t))
+            print("measured:", rows[-1], flush=True)
+        if not moe:
+            t, T = time_prefill(llm, 4096), 4096
+            cfg = MODELS[name]
+            layer_params = sum(p.numel() for n, p in llm.engine.runner.model.named_parameters() if ".layers." in n)
+            # GEMMs over every layer weight, plus causal attention (QK^T and PV over half the T x T scores).
+            attn_flops = 4 * cfg["num_hidden_layers"] * cfg["hidden_size"] * T * T / 2
+            floor = (2 * layer_params * T + attn_flops) / mm
+            rows.append(dict(model=name, what="prefill 4096", ms=t * 1e3, floor_ms=floor * 1e3, of_floor=floor / t))
+            print("measured:", rows[-1], flush=True)
+        del llm
+        torch.cuda.empty_cache()
+    print(f"{'model':<15} {'step':<22} {'ms':>8} {'floor ms':>9} {'of floor':>9}")
+    for r in rows:
+        print(f"{r['model']:<15} {r['what']:<22} {r['ms']:>8.2f} {r['floor_ms']:>9.2f} {r['of_floor']:>9.0%}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(device=dev, date=time.strftime("%Y-%m-%d"), copy_GBps=bw / 1e9,
+                                                  matmul_TFLOPs=mm / 1e12, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""PD over the ipc transport: prefill on GPU 0 (a child process), decode on GPU 1 (this process),
+in read and write mode. Reference: a collocated engine's greedy output on GPU 1 (same kernels,
+same shapes, so the same tokens)."""
+import multiprocessing as mp
+import queue
+import time
+import uuid
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import DEFAULT_MODEL_DIR
+from engine.protocol import EngineRequest
+
+pytestmark = pytest.mark.gpu
+PROMPTS = [f"Question: Sam has {n} marbles and finds {2 * n + 1} more. How many does he have?\nAnswer:"
+           for n in range(8)]
+PARAMS = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+KV = lambda role: dict(kv_connector="TandemConnector", kv_role=role, kv_connector_extra_config={  # noqa: E731
+    "transport": "ipc", "transfer_timeout_s": 60, "hold_timeout_s": 60})
+
+
+def _prefill_main(inbox, outbox) -> None:
+    core = LLM(DEFAULT_MODEL_DIR, device="cuda:0", dtype="float32", num_gpu_blocks_override=512,
+               **KV("kv_producer")).engine
+    outbox.put(("address", core.connector.address))
+    while True:
+        try:
+            req = inbox.get(timeout=0.001)
+            if req is None:
+                break
+            core.add_request(req)
+        except queue.Empty:
+            pass
+        for o in core.step() if core.has_unfinished_requests() else []:
+            outbox.put(("out", o))
+    core.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_ipc_pd_matches_collocated(mode):
+    ref_llm = LLM(DEFAULT_MODEL_DIR, device="cuda:1", dtype="float32", num_gpu_blocks_override=512)
+    ids = [ref_llm.tokenizer.encode(p) for p in PROMPTS]
+    expected = [o.token_ids for o in ref_llm.generate(ids, PARAMS)]
+    del ref_llm
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_prefill_main, args=(inbox, outbox), daemon=True)
+    proc.start()
+    decode = LLM(DEFAULT_MODEL_DIR, device="cuda:1", dtype="float32", num_gpu_blocks_override=512,
+                 **KV("kv_consumer")).engine
+    try:
+        _, p_addr = outbox.get(timeout=300)
+        p_host, p_port = p_addr.rsplit(":", 1)
+        d_host, d_port = decode.connector.address.rsplit(":", 1)
+        for i, toks in enumerate(ids):
+            if mode == "read":
+                inbox.put(EngineRequest(f"p{i}", toks, SamplingParams(max_tokens=1),
+                                        kv_transfer_params={"do_remote_decode": True}))
+            else:
+                tid = uuid.uuid4().hex
+                decode.add_request(EngineRequest(f"d{i}", toks, PARAMS, kv_transfer_params={
+                    "do_remote_prefill": True, "mode": "write", "transfer_id": tid, "remote_host": p_host,
+                    "remote_port": int(p_port)}))
+                inbox.put(EngineRequest(f"p{i}", toks, SamplingParams(max_tokens=1), kv_transfer_params={
+                    "do_remote_decode": True, "mode": "write", "transfer_id": tid, "remote_host": d_host,
+                    "remote_port": int(d_port)}))
+        outs: dict[str, list] = {}
+        deadline = time.time() + 300
+        while not all(outs.get(f"d{i}") and outs[f"d{i}"][-1].finished for i in range(len(ids))):
+            assert time.time() < deadline
+            while not outbox.empty():
+                kind, o = outbox.get()
+                if mode == "read" and o.finished:
+                    decode.add_request(EngineRequest(o.request_id.replace("p", "d"), ids[int(o.request_id[1:])],
+                                                     PARAMS, kv_transfer_params=o.kv_transfer_params))
+            for o in decode.step() if decode.has_unfinished_requests() else []:
+                outs.setdefault(o.request_id, []).append(o)
+        got = [[t for o in outs[f"d{i}"] for t in o.new_token_ids] for i in range(len(ids))]
+        assert [o[-1].error for o in outs.values() if o[-1].error] == []
+        assert got == expected
+        assert decode.get_stats().num_remote_prefills_total == len(ids)
+    finally:
+        inbox.put(None)
+        proc.join(60)
+        decode.shutdown()
