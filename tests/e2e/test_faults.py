@@ -69,3 +69,26 @@ def test_killed_prefill_times_out_on_decode_without_leak(model_dir, tmp_path):
     finally:
         for p in (router, prefill, decode):
             p.stop()
+
+
+def test_client_abort_reaches_both_instances(model_dir, tmp_path):
+    router, (prefill, decode) = start_deployment(model_dir, tmp_path, "write")
+    try:
+        body = {"model": "default", "prompt": LONG, "max_tokens": 150, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 4:
+                    break  # leaving the block closes the connection mid-stream
+        deadline = time.monotonic() + 30
+        while not any('finished_reason="abort"' in line and not line.endswith(" 0.0")
+                      for line in httpx.get(f"{decode.url}/metrics").text.splitlines()
+                      if line.startswith("tandem:request_success_total")):
+            assert time.monotonic() < deadline, "decode never saw the abort"
+            time.sleep(0.3)
+        assert metric(decode.url, "num_requests_running") == 0
+        wait_all_blocks_free([prefill.url, decode.url])
+    finally:
+        for p in (router, prefill, decode):
+            p.stop()
