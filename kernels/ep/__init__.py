@@ -27,7 +27,23 @@ class NoDispatch:
         return y
 
 
-def make_dispatcher(backend: str) -> DispatchCombine:
+BACKENDS = ("none", "naive", "a2a", "mori")
+
+
+def make_dispatcher(backend: str, group=None, num_experts: int = 0, placement: str = "linear") -> DispatchCombine:
+    """backend: none | naive | a2a | mori. group: the expert-parallel process group."""
     if backend == "none":
         return NoDispatch()
-    raise ValueError(f"all2all backend {backend!r} is not available; expected one of: none")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown all2all backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if backend == "mori":
+        raise ValueError("the mori all2all backend needs ROCm with MoRI-EP installed; use naive or a2a")
+    import torch.distributed as dist
+
+    from kernels.ep.placement import expert_owner_map
+    owner, local = expert_owner_map(num_experts, dist.get_world_size(group), placement)
+    if backend == "naive":
+        from kernels.ep.naive import NaiveDispatch
+        return NaiveDispatch(group, owner, local)
+    from kernels.ep.a2a import AllToAllDispatch
+    return AllToAllDispatch(group, owner, local)
