@@ -117,7 +117,8 @@ class EngineCore:
             self.connector.close()
         if self.workers is not None:
             self._broadcast(None)
-            self.workers.join()
+            # Tear down together with the workers (NCCL's teardown waits for every rank).
             torch.distributed.destroy_process_group()
+            self.workers.join()
             init_tensor_parallel(None)
             self.workers = None
