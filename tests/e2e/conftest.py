@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import free_port
+from tests.ports import free_port
 from tests.server.tiny_model import build_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import ENGINE_ARGS, KV_CONFIG, Proc, metric, wait_all_blocks_free
-from tests.server.conftest import free_port
+from tests.ports import free_port
 
 PROMPTS = [f"Question: Tom has {n} apples and buys {n + 3} more. How many now?\nAnswer:" for n in range(12)]
 PROMPTS += ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "

@@ -1,20 +1,14 @@
 """Tensor parallelism on CPU (gloo): TP=2 and TP=4 generate what a single process generates.
 Reference: the same model at --tensor-parallel-size 1 (itself checked against HF elsewhere)."""
-import socket
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.ports import free_port
 
 PROMPTS = [[3, 17, 29], list(range(40, 75)), [9] * 11]
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("arch,tp", [("llama", 2), ("qwen2", 2), ("qwen3_moe", 2), ("mixtral", 2), ("llama", 4)])

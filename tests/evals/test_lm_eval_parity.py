@@ -6,7 +6,6 @@ queried by lm-eval's `local-completions` with string prompts (tokenized_requests
 way benchmarks/lm_eval/README.md runs it. Tasks: benchmarks/lm_eval/tasks/ on a GSM8K subset.
 """
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 
 from benchmarks.lm_eval.task_dir import write_task_dir
 from engine.config import DEFAULT_MODEL_DIR
+from tests.ports import free_port as _free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVED_NAME = Path(DEFAULT_MODEL_DIR).name
@@ -25,12 +25,6 @@ GENERATE = ("gsm8k_tandem", "exact_match,strict-match", 20)
 LOGLIKELIHOOD = ("gsm8k_tandem_ll", "acc,none", 40)
 # float32 on both sides; only the order of reductions differs (batched vs single sequences).
 LOGLIKELIHOOD_ATOL = 1e-3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """Expert-parallel dispatch/combine on CPU (gloo, 2 and 4 ranks). Reference: fused_experts_ref
 over every rank's tokens with all experts in one process."""
-import socket
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ import torch.multiprocessing as mp
 from kernels.ep import make_dispatcher
 from kernels.ep.placement import local_experts
 from kernels.moe import fused_experts_ref
+from tests.ports import free_port as _free_port
 
 E, K, H, I = 8, 2, 32, 16
 
@@ -40,12 +40,6 @@ def _worker(rank, size, port, backend, counts, results):
             results[(rank, placement)] = d.combine(fused_experts_ref(xd, w13[mine], w2[mine], wd, idsd), handle)
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("backend", ["naive", "a2a"])

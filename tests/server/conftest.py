@@ -2,7 +2,6 @@
 processes on free 127.0.0.1 ports, reaped at teardown."""
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_model import build_tiny_model
+from tests.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GSM8K = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
@@ -21,12 +21,6 @@ MAX_MODEL_LEN = 256
 NUM_BLOCKS = 64
 ENGINE_ARGS = ["--device", "cpu", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
                "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-num-seqs", "16"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
