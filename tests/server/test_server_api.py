@@ -1,7 +1,9 @@
 """The OpenAI API of a real `python -m server` on the tiny Llama. References: transformers'
 forward pass on the same weights (logprobs within 1e-4, greedy tokens equal), the
 non-streaming response (for streams), and OpenAI's error JSON shape."""
+import json
 import re
+import socket
 import time
 
 import httpx
@@ -281,10 +283,16 @@ def test_client_disconnect_mid_stream_frees_blocks(server, http, client):
 
 def test_client_disconnect_non_streaming_frees_blocks(server, http, client):
     wait_all_blocks_free(http)
-    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5,
-                   headers={"Authorization": "Bearer test-key"})
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}).encode()
+    # A raw connection, closed once the engine runs the request: no timing assumptions.
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer test-key\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.monotonic() + 30
+    while metric(http, "tandem:num_requests_running") < 1:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.01)
+    sock.close()
     wait_all_blocks_free(http)
     text = http.get("/metrics").text
     assert re.search(r'tandem:request_success_total\{[^}]*finished_reason="abort"[^}]*\} [1-9]', text)
