@@ -1,15 +1,12 @@
 """Multi-process PD deployments on CPU over the tcp transport: a router, prefill and decode
 instances as real `python -m server` processes on free loopback ports."""
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.ports import free_port
+from tests.server.conftest import ServerProcess
 from tests.server.tiny_model import build_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -24,46 +21,9 @@ def model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("e2e-model"), DATA)
 
 
-class Proc:
-    def __init__(self, name: str, args: list[str], log_dir: Path, port: int | None = None):
-        self.name, self.port = name, port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{name}.log"
-        self.log = open(self.log_path, "w")
-        cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_healthy(self, timeout: float = 180.0) -> "Proc":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.read_log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"{self.name} not healthy after {timeout}s:\n{self.read_log()}")
-
-    def read_log(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text()
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
+def Proc(name: str, args: list[str], log_dir: Path) -> ServerProcess:
+    """One part of a deployment (`python -m server --role ...`), logging to log_dir/name.log."""
+    return ServerProcess(log_dir / f"{name}.log", args)
 
 
 def metric(url: str, name: str) -> float:

@@ -26,14 +26,19 @@ ENGINE_ARGS = ["--device", "cpu", "--dtype", "float32", "--max-model-len", str(M
 class ServerProcess:
     """`python -m server` in a subprocess; log in `log_path`."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *extra_args: str):
+    def __init__(self, log_path: Path, args: list[str]):
+        """`python -m server --host 127.0.0.1 --port <free> *args`; its name is the log's stem."""
+        self.name = log_path.stem
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "server", "--model", str(model_dir), "--host", "127.0.0.1",
-               "--port", str(self.port), *ENGINE_ARGS, *extra_args]
+        cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+
+    @classmethod
+    def for_model(cls, model_dir: Path, log_path: Path, *extra_args: str) -> "ServerProcess":
+        return cls(log_path, ["--model", str(model_dir), *ENGINE_ARGS, *extra_args])
 
     def wait_healthy(self, timeout: float = 180.0) -> "ServerProcess":
         deadline = time.monotonic() + timeout
@@ -60,6 +65,10 @@ class ServerProcess:
             if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
                 return pid
         raise RuntimeError(f"no engine core child among {children}")
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
@@ -92,9 +101,9 @@ def launched(tiny_model_dir, tmp_path_factory) -> dict[str, ServerProcess]:
     main (shared, with --api-key), victim (its engine gets killed), broken (cannot start)."""
     logs = tmp_path_factory.mktemp("logs")
     procs = {
-        "main": ServerProcess(tiny_model_dir, logs / "main.log", "--api-key", API_KEY),
-        "victim": ServerProcess(tiny_model_dir, logs / "victim.log"),
-        "broken": ServerProcess(tiny_model_dir / "no-such-model", logs / "broken.log"),
+        "main": ServerProcess.for_model(tiny_model_dir, logs / "main.log", "--api-key", API_KEY),
+        "victim": ServerProcess.for_model(tiny_model_dir, logs / "victim.log"),
+        "broken": ServerProcess.for_model(tiny_model_dir / "no-such-model", logs / "broken.log"),
     }
     yield procs
     for name, srv in procs.items():
