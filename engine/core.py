@@ -20,10 +20,6 @@ from engine.worker import Workers, broadcast_step, init_distributed, local_devic
 logger = logging.getLogger(__name__)
 
 
-def load_engine_model_config(config: EngineConfig):
-    return load_hf_config(config.model.model)
-
-
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
     max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
     return min(config.model.max_model_len or max_pos, max_pos)
@@ -32,7 +28,7 @@ def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.hf_config = load_engine_model_config(config)
+        self.hf_config = load_hf_config(config.model.model)
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.vocab_size = self.hf_config.vocab_size
         self.eos_token_ids = eos_token_ids(config.model.model, self.hf_config)

@@ -64,10 +64,10 @@ def _die_with_parent() -> None:
 
 def _worker_main(config: EngineConfig, rank: int, max_model_len: int) -> None:
     _die_with_parent()
-    from engine.core import load_engine_model_config
+    from engine.loader import load_hf_config
     from engine.model_runner import ModelRunner
 
-    hf_config = load_engine_model_config(config)
+    hf_config = load_hf_config(config.model.model)
     group = init_distributed(config, rank)
     runner = ModelRunner(config, hf_config, max_model_len, device=local_device(config, rank))
     while True:
@@ -112,9 +112,10 @@ class Workers:
 
 def run_node_workers(config: EngineConfig) -> None:
     """On nodes other than 0 (--node-rank > 0): run this node's ranks until rank 0 stops them."""
-    from engine.core import load_engine_model_config, resolve_max_model_len
+    from engine.core import resolve_max_model_len
+    from engine.loader import load_hf_config
 
-    workers = Workers(config, resolve_max_model_len(config, load_engine_model_config(config)), include_rank0=True)
+    workers = Workers(config, resolve_max_model_len(config, load_hf_config(config.model.model)), include_rank0=True)
     for proc in workers.procs:
         proc.join()
     workers._stopping = True
