@@ -19,15 +19,16 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.attention import store_kvcache_ref  # noqa: E402
-from kernels.moe import fused_experts_ref, topk_routing  # noqa: E402
+from kernels.moe import fused_experts_ref, topk_routing, topk_routing_ref  # noqa: E402
 from kernels.norm import fused_add_rms_norm_ref  # noqa: E402
 from kernels.rotary import apply_rotary_ref, build_cos_sin_cache  # noqa: E402
 from kernels.triton.activation import silu_and_mul_triton  # noqa: E402
 from kernels.triton.attention import (  # noqa: E402
     _paged_attention, paged_attention_triton, store_kvcache_triton)
-from kernels.triton.moe import fused_experts_triton  # noqa: E402
+from kernels.triton.moe import _fused_experts, fused_experts_triton  # noqa: E402
 from kernels.triton.norm import fused_add_rms_norm_triton, rms_norm_triton  # noqa: E402
-from kernels.triton.rotary import apply_rotary_triton  # noqa: E402
+from kernels.triton.rotary import apply_rotary_triton, rotary_store_kvcache_triton  # noqa: E402
+from kernels.triton.routing import topk_routing_triton  # noqa: E402
 
 DEV, BF16 = "cuda", torch.bfloat16
 HQ, HK, D, PAGE, HIDDEN = 32, 8, 128, 16, 4096
@@ -165,6 +166,40 @@ def bench_rotary():
         record("rotary", f"T={T}", t, t_ref, nbytes, 0, "torch ref")
 
 
+def bench_rotary_store():
+    """The fused q/k norm + rotary + KV store (Qwen3 layout: 32/4 heads) against the separate
+    Triton launches it replaces (two rms_norm, rotary, store_kvcache)."""
+    hq, hk = 32, 4
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=DEV).float() / D))
+    cache = build_cos_sin_cache(inv_freq, 8192)
+    qw, kw = torch.randn(D, device=DEV, dtype=BF16), torch.randn(D, device=DEV, dtype=BF16)
+    kc = torch.randn(4096, PAGE, hk, D, device=DEV, dtype=BF16)
+    vc = torch.randn_like(kc)
+    for T in (1, 64, 4096):
+        qkv = torch.randn(T, hq + 2 * hk, D, device=DEV, dtype=BF16)
+        q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
+        pos = torch.randint(0, 8192, (T,), device=DEV)
+        slots = torch.randperm(4096 * PAGE, device=DEV)[:T]
+        t = bench(lambda: rotary_store_kvcache_triton(pos, q, k, v, cache, kc, vc, slots, (qw, kw, 1e-6)))
+
+        def separate():
+            qn, kn = rms_norm_triton(q, qw, 1e-6), rms_norm_triton(k, kw, 1e-6)
+            apply_rotary_triton(pos, qn, kn, cache)
+            store_kvcache_triton(kn, v, kc, vc, slots)
+
+        t_ref = bench(separate)
+        nbytes = 2 * qkv.numel() * 2
+        record("qknorm_rotary_store", f"T={T} 32/4 heads", t, t_ref, nbytes, 0, "4 triton launches")
+
+
+def bench_routing():
+    for T in (1, 64, 4096):
+        logits = torch.randn(T, 128, device=DEV, dtype=BF16)
+        t = bench(lambda: topk_routing_triton(logits, 8, True))
+        t_ref = bench(lambda: topk_routing_ref(logits, 8, True))
+        record("topk_routing", f"T={T} E=128 k=8", t, t_ref, logits.numel() * 2 + T * 8 * 8, 0, "torch ops")
+
+
 def bench_silu():
     for T in (64, 4096):
         x = torch.randn(T, 2 * 14336, device=DEV, dtype=BF16)
@@ -213,21 +248,39 @@ def bench_moe():
 
 
 def sweep():
-    """Tile-shape variants of the prefill attention kernel, and where MoE decode time goes."""
+    """Variants of the prefill attention kernel (tiles, grid order, 32-bit offsets), of the MoE
+    decode path (grouped vs. a block per pair, tiles), and where MoE time goes."""
     ctx = 4096
     q, kc, vc, bt, sl, qsl = paged_setup(1, ctx, ctx)
-    for bm, bn, w, st in [(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 4), (128, 128, 4, 3),
-                          (64, 128, 4, 2), (256, 64, 8, 2)]:
-        plan = dict(BLOCK_M=bm, BLOCK_N=bn, NUM_SPLITS=1, num_warps=w, num_stages=st)
+    qs = q.view(1, ctx, HQ, D).transpose(1, 2)
+    k = torch.randn(1, HK, ctx, D, device=DEV, dtype=BF16)
+    v = torch.randn_like(k)
+    t_sdpa = bench(lambda: sdpa(qs, k, v, True))
+    print(f"sweep prefill 4k: sdpa {t_sdpa * 1e3:.1f} us")
+    for bm, bn, w, st, heavy, o32 in [(128, 128, 8, 3, False, False), (128, 128, 8, 3, True, True),
+                                      (128, 64, 4, 4, True, True), (256, 64, 8, 3, True, True),
+                                      (256, 64, 8, 4, True, True), (256, 128, 8, 2, True, True)]:
+        plan = dict(BLOCK_M=bm, BLOCK_N=bn, NUM_SPLITS=1, num_warps=w, num_stages=st, HEAVY_FIRST=heavy,
+                    OFFS_32=o32)
         try:
             t = bench(lambda: _paged_attention(q, kc, vc, bt, sl, qsl, D**-0.5, ctx, ctx, plan=plan))
             tf = 4 * HQ * D * ctx * (ctx + 1) / 2 / t / 1e9
-            print(f"sweep prefill 4k {plan}: {t * 1e3:.1f} us {tf:.0f} TFLOP/s")
+            print(f"sweep prefill 4k {plan}: {t * 1e3:.1f} us {tf:.0f} TFLOP/s {t_sdpa / t:.2f}x sdpa")
         except Exception as e:  # out of shared memory etc.
             print(f"sweep prefill 4k {plan}: failed {str(e).splitlines()[0][:60]}")
     E, k, H, inter = 128, 8, 2048, 768
     w13 = torch.randn(E, 2 * inter, H, device=DEV, dtype=BF16) / math.sqrt(H)
     w2 = torch.randn(E, H, inter, device=DEV, dtype=BF16) / math.sqrt(inter)
+    for T in (1, 2):
+        x = torch.randn(T, H, device=DEV, dtype=BF16)
+        weights, ids = topk_routing(torch.randn(T, E, device=DEV), k, renormalize=True)
+        grouped = dict(BLOCK_M=16, BLOCK_N1=64, BLOCK_N2=64, BLOCK_K=128, num_warps=4, num_stages=4, PAIRS=False)
+        t = bench(lambda: _fused_experts(x, w13, w2, weights, ids, cfg=grouped))
+        print(f"sweep moe T={T} grouped (previous path): {t * 1e3:.1f} us")
+        for bn1, bn2, bk, st in [(16, 64, 128, 4), (16, 32, 256, 4), (32, 64, 128, 4), (16, 64, 256, 3)]:
+            cfg = dict(BLOCK_M=16, BLOCK_N1=bn1, BLOCK_N2=bn2, BLOCK_K=bk, num_warps=4, num_stages=st, PAIRS=True)
+            t = bench(lambda: _fused_experts(x, w13, w2, weights, ids, cfg=cfg))
+            print(f"sweep moe T={T} pairs {cfg}: {t * 1e3:.1f} us")
     for T in (1, 4096):
         x = torch.randn(T, H, device=DEV, dtype=BF16)
         weights, ids = topk_routing(torch.randn(T, E, device=DEV), k, renormalize=True)
@@ -244,7 +297,8 @@ def sweep():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/out/kernels.json")
-    parser.add_argument("--only", default="", help="comma-separated: attention,store,norm,rotary,silu,moe")
+    parser.add_argument("--only", default="",
+                        help="comma-separated: attention,store,norm,rotary,rotary_store,routing,silu,moe")
     parser.add_argument("--sweep", action="store_true", help="time tile-shape variants first")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -253,7 +307,8 @@ def main():
     gbps, tflops = ceilings()
     print(f"device {torch.cuda.get_device_name()}: copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s")
     benches = dict(attention=bench_attention, store=bench_store_kvcache, norm=bench_norms,
-                   rotary=bench_rotary, silu=bench_silu, moe=bench_moe)
+                   rotary=bench_rotary, rotary_store=bench_rotary_store, routing=bench_routing,
+                   silu=bench_silu, moe=bench_moe)
     for name, fn in benches.items():
         if not args.only or name in args.only.split(","):
             try:

@@ -211,7 +211,10 @@ class ModelRunner:
         decode_only = x.input_ids.shape[0] == x.seq_lens.shape[0]
         if (self.graphs is not None and decode_only and on_layer_stored is None
                 and self.graphs.padded_size(x.input_ids.shape[0]) is not None):
-            hidden = self.graphs.run(x.input_ids, x.positions, x.slot_mapping, x.block_tables, x.seq_lens)
+            hidden, logits = self.graphs.run(x.input_ids, x.positions, x.slot_mapping, x.block_tables, x.seq_lens)
+            rows = x.logits_rows
+            if logits is not None and rows == list(range(len(rows))):
+                return logits[:len(rows)]  # the replay's LM head output: no eager launch, no host sync
         else:
             ctx = ForwardContext(
                 slot_mapping=x.slot_mapping.to(dev), block_tables=x.block_tables.to(dev),

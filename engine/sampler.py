@@ -34,12 +34,16 @@ class SamplingBatch:
     def build(cls, requests: list[Request], vocab_size: int, device: torch.device) -> "SamplingBatch":
         ps = [r.params for r in requests]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps]
+        # Built on the host and sent with non-blocking copies: torch.tensor(..., device=cuda)
+        # would wait for the GPU to finish the forward pass queued before it.
+        floats = torch.tensor([[0.0 if p.greedy else p.temperature for p in ps], [p.top_p for p in ps],
+                               [p.min_p for p in ps]]).to(device, non_blocking=True)
         return cls(
             requests=requests,
-            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in ps], device=device),
-            top_k=torch.tensor(top_k, device=device),
-            top_p=torch.tensor([p.top_p for p in ps], device=device),
-            min_p=torch.tensor([p.min_p for p in ps], device=device),
+            temperature=floats[0],
+            top_k=torch.tensor(top_k).to(device, non_blocking=True),
+            top_p=floats[1],
+            min_p=floats[2],
             all_greedy=all(p.greedy for p in ps),
             any_top_k=any(k < vocab_size for k in top_k),
             any_top_p=any(p.top_p < 1 for p in ps),

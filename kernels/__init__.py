@@ -8,7 +8,7 @@ This package imports nothing else of Tandem's.
 from kernels.activation import silu_and_mul
 from kernels.attention import paged_attention, store_kvcache
 from kernels.norm import fused_add_rms_norm, rms_norm
-from kernels.rotary import apply_rotary, build_cos_sin_cache
+from kernels.rotary import apply_rotary, build_cos_sin_cache, rotary_store_kvcache
 
 __all__ = [
     "apply_rotary",
@@ -16,6 +16,7 @@ __all__ = [
     "fused_add_rms_norm",
     "paged_attention",
     "rms_norm",
+    "rotary_store_kvcache",
     "silu_and_mul",
     "store_kvcache",
 ]

@@ -10,7 +10,7 @@ from kernels.activation import silu_and_mul_ref
 from kernels.backend import use_triton
 
 
-def topk_routing(
+def topk_routing_ref(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits: [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int32)."""
@@ -24,6 +24,15 @@ def topk_routing(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
+
+
+def topk_routing(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(router_logits):
+        from kernels.triton.routing import topk_routing_triton
+        return topk_routing_triton(router_logits, top_k, renormalize, scoring)
+    return topk_routing_ref(router_logits, top_k, renormalize, scoring)
 
 
 def fused_experts_ref(

@@ -1,7 +1,9 @@
 """Rotary position embedding, GPT-NeoX style (rotate halves), as in HF Llama/Qwen."""
 import torch
 
+from kernels.attention import store_kvcache_ref
 from kernels.backend import use_triton
+from kernels.norm import rms_norm_ref
 
 
 def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0) -> torch.Tensor:
@@ -39,3 +41,35 @@ def apply_rotary(
         from kernels.triton.rotary import apply_rotary_triton
         return apply_rotary_triton(positions, q, k, cos_sin_cache)
     return apply_rotary_ref(positions, q, k, cos_sin_cache)
+
+
+def rotary_store_kvcache_ref(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> torch.Tensor:
+    """The attention inputs of one layer, ready: positions: [T]; q: [T, Hq, D]; k, v: [T, Hk, D];
+    caches: [num_blocks, block_size, Hk, D]; slot_mapping: [T] (negative = not stored).
+
+    qk_norm = (q weight [D], k weight [D], eps) RMS-normalizes every q and k head first (Qwen3).
+    Then q and k are rotated and k, v stored in the cache. Returns the rotated q.
+    """
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
+    q, k = apply_rotary_ref(positions, q, k, cos_sin_cache)
+    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def rotary_store_kvcache(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> torch.Tensor:
+    """Same contract as rotary_store_kvcache_ref; the Triton path rotates q in place, in one launch."""
+    if use_triton(q):
+        from kernels.triton.rotary import rotary_store_kvcache_triton
+        return rotary_store_kvcache_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                           qk_norm)
+    return rotary_store_kvcache_ref(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, qk_norm)

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from engine.forward_context import ForwardContext
-from kernels import paged_attention, store_kvcache
+from kernels import paged_attention, rotary_store_kvcache, store_kvcache
 
 
 class Attention(nn.Module):
@@ -16,9 +16,17 @@ class Attention(nn.Module):
         self.k_cache = torch.tensor([])
         self.v_cache = torch.tensor([])
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hk, D] -> [T, Hq * D]."""
-        store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
+                positions: torch.Tensor | None = None, cos_sin_cache: torch.Tensor | None = None,
+                qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hk, D] -> [T, Hq * D]. With positions [T] and cos_sin_cache,
+        q and k are first RMS-normalized per head (qk_norm = (q weight, k weight, eps)) and rotated,
+        in the launch that stores k and v (one kernel for what took up to four)."""
+        if cos_sin_cache is None:
+            store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        else:
+            q = rotary_store_kvcache(positions, q, k, v, cos_sin_cache, self.k_cache, self.v_cache,
+                                     ctx.slot_mapping, qk_norm)
         if ctx.on_layer_stored is not None:
             ctx.on_layer_stored(self.layer_idx)
         out = paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens,

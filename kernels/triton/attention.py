@@ -7,7 +7,7 @@ tiles are read once for the whole GQA group) and walks the context with an onlin
 When the grid would be too small to fill the GPU (decode, short batches) the context is split
 into NUM_SPLITS chunks whose partial results a second kernel merges (split-K / flash-decoding).
 A batch that may hold prefills is launched twice, narrow tiles for the decode-like sequences and
-128-row tiles for the rest (`_launch_plans`). Launches derive from tensor shapes and python
+wide (256-row in bf16/fp16) tiles for the rest (`_launch_plans`). Launches derive from tensor shapes and python
 bounds only (no host sync, graph-capturable); wrong bounds cost speed, never correctness.
 """
 import functools
@@ -67,33 +67,46 @@ def store_kvcache_triton(
 def _attend_tiles(
     acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos, lo, hi,
     stride_kb, stride_ko, stride_vb, stride_vo, qk_scale,
-    MASKED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+    OFFS_32: tl.constexpr,
 ):
     """Online softmax over keys [lo, hi); MASKED applies the causal and the hi bound, else
-    every tile is full and loads go unpredicated."""
+    every tile is full and loads go unpredicated (EVEN_D: no head_dim padding either).
+    OFFS_32: cache offsets fit 32 bits (cheaper address arithmetic)."""
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         if MASKED:
             in_range = n < hi
-            block = tl.load(bt_row + n // PAGE, mask=in_range, other=0).to(tl.int64)
+            block = tl.load(bt_row + n // PAGE, mask=in_range, other=0)
             kv_mask = in_range[:, None] & d_mask[None, :]
         else:
-            block = tl.load(bt_row + n // PAGE).to(tl.int64)
+            block = tl.load(bt_row + n // PAGE)
             kv_mask = d_mask[None, :]
-        off = (n % PAGE).to(tl.int64)
-        k = tl.load(k_base + block[:, None] * stride_kb + off[:, None] * stride_ko + d_off[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_base + block[:, None] * stride_vb + off[:, None] * stride_vo + d_off[None, :],
-                    mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+        if OFFS_32:
+            off = n % PAGE
+        else:
+            block = block.to(tl.int64)
+            off = (n % PAGE).to(tl.int64)
+        k_ptrs = k_base + block[:, None] * stride_kb + off[:, None] * stride_ko + d_off[None, :]
+        v_ptrs = v_base + block[:, None] * stride_vb + off[:, None] * stride_vo + d_off[None, :]
+        if EVEN_D and not MASKED:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))
         if MASKED:
             s = tl.where((n[None, :] <= q_pos[:, None]) & in_range[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
-        p = tl.exp2(s - m_safe[:, None])
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+            m_safe = m_new
+        p = tl.exp2(s * qk_scale - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
         m_i = m_new
     return acc, l_i, m_i
 
@@ -107,11 +120,19 @@ def _paged_attention_kernel(
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr, OFFS_32: tl.constexpr,
 ):
-    q_block_global = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEAVY_FIRST:
+        # grid (kv heads, q blocks): the last q blocks (most keys under the causal mask) start
+        # first, for every head, so the short ones fill the tail
+        kv_head = tl.program_id(0)
+        q_block_global = tl.num_programs(1) - 1 - tl.program_id(1)
+        num_heads = tl.num_programs(0) * GROUP
+    else:
+        q_block_global = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_heads = tl.num_programs(1) * GROUP
     split = tl.program_id(2)
-    num_heads = tl.num_programs(1) * GROUP
 
     # Sequence s owns q blocks [start_s // BLOCK_Q + s, ...): binary search for ours.
     lo = 0
@@ -149,7 +170,9 @@ def _paged_attention_kernel(
         kv_hi = kv_end
     else:
         chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        kv_lo = tl.minimum(split * chunk, kv_end)
+        if split * chunk >= kv_end:
+            return  # no keys for this split: the merge reads only the first cdiv(kv_end, chunk)
+        kv_lo = split * chunk
         kv_hi = tl.minimum(kv_lo + chunk, kv_end)
     first_pos = ctx_offset + q_block * BLOCK_Q
     full_hi = tl.maximum(kv_lo, kv_lo + (tl.minimum(kv_hi, first_pos + 1) - kv_lo) // BLOCK_N * BLOCK_N)
@@ -162,10 +185,10 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
                                   kv_lo, full_hi, stride_kb, stride_ko, stride_vb, stride_vo,
-                                  qk_scale, False, PAGE, BLOCK_N)
+                                  qk_scale, False, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
                                   full_hi, kv_hi, stride_kb, stride_ko, stride_vb, stride_vo,
-                                  qk_scale, True, PAGE, BLOCK_N)
+                                  qk_scale, True, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -181,9 +204,9 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr, num_seqs, max_q_len, head_dim,
+    out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr, seq_lens_ptr, num_seqs, max_q_len, head_dim,
     stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -197,17 +220,24 @@ def _merge_splits_kernel(
             lo = mid + 1
         else:
             hi = mid
-    if tl.load(query_start_loc_ptr + lo) - tl.load(query_start_loc_ptr + lo - 1) > max_q_len:
+    q_start = tl.load(query_start_loc_ptr + lo - 1)
+    q_len = tl.load(query_start_loc_ptr + lo) - q_start
+    if q_len > max_q_len:
         return  # computed by the prefill launch, which wrote it directly
+    # the splits that had keys, as the attention program of this token's q block cut them
+    ctx_len = tl.load(seq_lens_ptr + lo - 1)
+    kv_end = tl.minimum(ctx_len, ctx_len - q_len + tl.minimum(q_len, ((t - q_start) // BLOCK_Q + 1) * BLOCK_Q))
+    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
     base = (t.to(tl.int64) * tl.num_programs(1) + h) * NUM_SPLITS
     sp = tl.arange(0, NUM_SPLITS)
-    m = tl.load(part_ml_ptr + (base + sp) * 2)
-    l = tl.load(part_ml_ptr + (base + sp) * 2 + 1)
+    live = sp * chunk < kv_end
+    m = tl.load(part_ml_ptr + (base + sp) * 2, mask=live, other=float("-inf"))
+    l = tl.load(part_ml_ptr + (base + sp) * 2 + 1, mask=live, other=0.0)
     m_max = tl.max(m, axis=0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
     denom = tl.sum(w * l, axis=0)
     d_off = tl.arange(0, D_PAD)
-    acc = tl.load(part_acc_ptr + (base + sp)[:, None] * D_PAD + d_off[None, :])
+    acc = tl.load(part_acc_ptr + (base + sp)[:, None] * D_PAD + d_off[None, :], mask=live[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d_off,
              out.to(out_ptr.dtype.element_ty), mask=d_off < head_dim)
@@ -253,8 +283,11 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
     narrow = dict(BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=4, num_stages=2)
     if narrow_only:
         return [dict(narrow, Q_RANGE=_ALL_Q)]
-    wide = dict(BLOCK_M=max(128 if small else 64, block_m), BLOCK_N=block_n, NUM_SPLITS=1,
-                num_warps=8, num_stages=3 if small and q.element_size() == 2 else 2)
+    if small and q.element_size() == 2:  # 256 x 64 tiles, 3 stages: 160 KB of shared memory
+        wide = dict(BLOCK_M=max(256, block_m), BLOCK_N=64, NUM_SPLITS=1, num_warps=8, num_stages=3)
+    else:
+        wide = dict(BLOCK_M=max(128 if small else 64, block_m), BLOCK_N=block_n, NUM_SPLITS=1,
+                    num_warps=8, num_stages=2)
     if num_seqs == 1:
         return [dict(wide, Q_RANGE=_ALL_Q)]
     return [dict(narrow, Q_RANGE=(0, block_q)), dict(wide, Q_RANGE=(block_q + 1, _ALL_Q[1]))]
@@ -293,6 +326,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
     plans = [dict(plan, Q_RANGE=_ALL_Q)] if plan else _launch_plans(
         q, group, num_seqs, num_kv_heads, max_query_len, kv_bound)
     d_pad = triton.next_power_of_2(head_dim)
+    offs_32 = max(k_cache.shape[0] * k_cache.stride(0), v_cache.shape[0] * v_cache.stride(0)) < 2**31
     for p in plans:
         block_m, splits = p["BLOCK_M"], p["NUM_SPLITS"]
         block_q = block_m // group
@@ -301,7 +335,10 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             part_ml = torch.empty(num_tokens, num_heads, splits, 2, device=q.device, dtype=torch.float32)
         else:
             part_acc = part_ml = out  # unused
+        heavy_first = p.get("HEAVY_FIRST", True)
         grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
+        if heavy_first:
+            grid = (num_kv_heads, grid[0], splits)
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc,
             scale * 1.4426950408889634, num_seqs, *p["Q_RANGE"],
@@ -309,12 +346,13 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=p["BLOCK_N"], HEAD_DIM=head_dim,
-            D_PAD=d_pad, PAGE=page, NUM_SPLITS=splits, num_warps=p["num_warps"],
-            num_stages=p["num_stages"],
+            D_PAD=d_pad, PAGE=page, NUM_SPLITS=splits, HEAVY_FIRST=heavy_first,
+            OFFS_32=p.get("OFFS_32", offs_32), num_warps=p["num_warps"], num_stages=p["num_stages"],
         )
         if splits > 1:
             _merge_splits_kernel[(num_tokens, num_heads)](
-                out, part_acc, part_ml, query_start_loc, num_seqs, p["Q_RANGE"][1], head_dim,
-                out.stride(0), out.stride(1), NUM_SPLITS=splits, D_PAD=d_pad, num_warps=4,
+                out, part_acc, part_ml, query_start_loc, seq_lens, num_seqs, p["Q_RANGE"][1], head_dim,
+                out.stride(0), out.stride(1), NUM_SPLITS=splits, D_PAD=d_pad, BLOCK_Q=block_q,
+                BLOCK_N=p["BLOCK_N"], num_warps=4,
             )
     return out

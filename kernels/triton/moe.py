@@ -7,6 +7,11 @@ batches (decode) group in one Triton program, large ones in three launches (coun
 prefix, scatter); no host sync either way. Pairs with a negative expert id (experts owned
 elsewhere) are skipped.
 
+Decode-sized batches (at most _PAIR_BLOCKS pairs) skip the grouping: each (token, slot) pair is
+a block of its own, its expert read from topk_ids inside both GEMMs (three launches, not four).
+A second GEMM that summed a token's pairs in its epilogue measured slower (one program per
+token and N tile streams all k experts one after the other; benchmarks/notes_kernels.md).
+
 Grouping produces, for max_blocks = cdiv(P, BLOCK_M) + min(E, P) blocks (P = T * top_k):
   sorted_pairs:  [max_blocks * BLOCK_M] int32, pair index (token * top_k + slot) of each row
   block_expert:  [max_blocks] int32, the block's expert, -1 for an unused block
@@ -16,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+_PAIR_BLOCKS = 16  # at most this many pairs: no grouping, a block per pair (decode)
 _SMALL_PAIRS = 1024  # at most this many pairs: one-program grouping kernel
 _CHUNK = 128  # pairs per program (large batches) / per step (small batches)
 
@@ -146,28 +152,35 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int, max_blocks: i
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, topk_w_ptr,
-    N, K, stride_am, stride_we, stride_wn, stride_om, num_n_tiles,
+    N, K, stride_am, stride_we, stride_wn, stride_om, num_n_tiles, num_experts,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, GATED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """out[rows] = a[rows] @ w[e].T for the BLOCK_M rows of one expert block.
 
     GATHER_A: a row is x[pair // TOP_K] (first GEMM) instead of the block's own row (second).
     GATED: w[e] is [2N, K] as [gate | up]; the program writes silu(a @ gate.T) * (a @ up.T).
     SCATTER_OUT: row goes to out[pair] scaled by topk_w[pair], else to the block's own row.
+    PAIRS: block b is pair b alone (one row), its expert block_expert_ptr[b] (= topk_ids), and
+    its own row is row b.
     """
     # N tiles vary fastest: the programs in flight share the block's rows and the expert's weights
     pid = tl.program_id(0)
     block = pid // num_n_tiles
     pid_n = pid % num_n_tiles
     expert = tl.load(block_expert_ptr + block)
-    if expert < 0:
+    if (expert < 0) | (expert >= num_experts):
         return
-    n_rows = tl.load(block_rows_ptr + block)
     rm = tl.arange(0, BLOCK_M)
-    row_mask = rm < n_rows
-    own_row = block.to(tl.int64) * BLOCK_M + rm
-    pair = tl.load(sorted_ptr + own_row, mask=row_mask, other=0).to(tl.int64)
+    if PAIRS:
+        row_mask = rm < 1
+        own_row = block.to(tl.int64) + rm
+        pair = own_row
+    else:
+        row_mask = rm < tl.load(block_rows_ptr + block)
+        own_row = block.to(tl.int64) * BLOCK_M + rm
+        pair = tl.load(sorted_ptr + own_row, mask=row_mask, other=0).to(tl.int64)
     a_row = pair // TOP_K if GATHER_A else own_row
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
@@ -219,7 +232,10 @@ def _sum_topk_kernel(pair_out_ptr, ids_ptr, out_ptr, H, num_experts,
 def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     """Tile shapes by rows per expert: tiny blocks and deep K tiles when memory-bound (decode)."""
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
-    if rows_per_expert <= 16:
+    if num_pairs <= _PAIR_BLOCKS:
+        # narrow first-GEMM tiles: enough programs to keep every SM streaming an expert's rows
+        cfg = dict(BLOCK_M=16, BLOCK_N1=16, BLOCK_N2=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    elif rows_per_expert <= 16:
         cfg = dict(BLOCK_M=16, BLOCK_N1=64, BLOCK_N2=64, BLOCK_K=128, num_warps=4, num_stages=4)
     elif rows_per_expert <= 64:
         cfg = dict(BLOCK_M=32, BLOCK_N1=64, BLOCK_N2=64, BLOCK_K=128, num_warps=4, num_stages=4)
@@ -256,31 +272,55 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None):
     topk_weights = topk_weights.contiguous()
     cfg = cfg or _config(num_pairs, num_experts, x.dtype)
     block_m = cfg["BLOCK_M"]
-    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
-
-    sorted_pairs, block_expert, block_rows = _align(topk_ids, num_experts, block_m, max_blocks)
-
     meta = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], BLOCK_M=block_m,
                 BLOCK_K=cfg["BLOCK_K"], TOP_K=top_k)
+    if cfg.get("PAIRS", num_pairs <= _PAIR_BLOCKS):
+        # A block per pair (its expert read in the kernel) for both GEMMs, then the top-k sum.
+        act = torch.empty(num_pairs, inter, device=x.device, dtype=x.dtype)
+        n_tiles = triton.cdiv(inter, cfg["BLOCK_N1"])
+        _grouped_gemm_kernel[(num_pairs * n_tiles,)](
+            x, w13, act, topk_ids, topk_ids, topk_ids, topk_weights,
+            inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), n_tiles, num_experts,
+            GATHER_A=True, SCATTER_OUT=False, GATED=True, PAIRS=True, EVEN_K=hidden % cfg["BLOCK_K"] == 0,
+            BLOCK_N=cfg["BLOCK_N1"], **meta,
+        )
+        n_tiles = triton.cdiv(hidden, cfg["BLOCK_N2"])
+        pair_out = torch.empty(num_pairs, hidden, device=x.device, dtype=x.dtype)
+        _grouped_gemm_kernel[(num_pairs * n_tiles,)](
+            act, w2, pair_out, topk_ids, topk_ids, topk_ids, topk_weights,
+            hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), n_tiles, num_experts,
+            GATHER_A=False, SCATTER_OUT=True, GATED=False, PAIRS=True, EVEN_K=inter % cfg["BLOCK_K"] == 0,
+            BLOCK_N=cfg["BLOCK_N2"], **meta,
+        )
+        _sum_topk(pair_out, topk_ids, out, num_experts)
+        return out
+    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    sorted_pairs, block_expert, block_rows = _align(topk_ids, num_experts, block_m, max_blocks)
     act = torch.empty(max_blocks * block_m, inter, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(inter, cfg["BLOCK_N1"])
     _grouped_gemm_kernel[(max_blocks * n_tiles,)](
         x, w13, act, sorted_pairs, block_expert, block_rows, topk_weights,
-        inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), n_tiles,
-        GATHER_A=True, SCATTER_OUT=False, GATED=True, EVEN_K=hidden % cfg["BLOCK_K"] == 0,
+        inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), n_tiles, num_experts,
+        GATHER_A=True, SCATTER_OUT=False, GATED=True, PAIRS=False, EVEN_K=hidden % cfg["BLOCK_K"] == 0,
         BLOCK_N=cfg["BLOCK_N1"], **meta,
     )
     pair_out = torch.empty(num_pairs, hidden, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(hidden, cfg["BLOCK_N2"])
     _grouped_gemm_kernel[(max_blocks * n_tiles,)](
         act, w2, pair_out, sorted_pairs, block_expert, block_rows, topk_weights,
-        hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), n_tiles,
-        GATHER_A=False, SCATTER_OUT=True, GATED=False, EVEN_K=inter % cfg["BLOCK_K"] == 0,
+        hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), n_tiles, num_experts,
+        GATHER_A=False, SCATTER_OUT=True, GATED=False, PAIRS=False, EVEN_K=inter % cfg["BLOCK_K"] == 0,
         BLOCK_N=cfg["BLOCK_N2"], **meta,
     )
+    _sum_topk(pair_out, topk_ids, out, num_experts)
+    return out
+
+
+def _sum_topk(pair_out: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, num_experts: int) -> None:
+    """out[t] = sum of the token's pair rows of pair_out (pairs with a skipped expert left out)."""
+    (num_tokens, top_k), hidden = topk_ids.shape, out.shape[1]
     block = min(1024, triton.next_power_of_2(hidden))
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](
         pair_out, topk_ids, out, hidden, num_experts,
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK=block, num_warps=4,
     )
-    return out

@@ -10,9 +10,9 @@ import torch
 
 from kernels.activation import silu_and_mul_ref
 from kernels.attention import paged_attention_ref, store_kvcache_ref
-from kernels.moe import fused_experts_ref, topk_routing
+from kernels.moe import fused_experts_ref, topk_routing, topk_routing_ref
 from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.rotary import apply_rotary_ref, build_cos_sin_cache
+from kernels.rotary import apply_rotary_ref, build_cos_sin_cache, rotary_store_kvcache_ref
 
 DEVICE = "cuda"
 pytestmark = [pytest.mark.gpu,
@@ -104,6 +104,18 @@ def test_paged_attention_graph_capture():
         assert _rel(out, paged_attention_ref(q, kc, vc, bt, seq_lens, qsl, 0.08)) < 2e-2
 
 
+@pytest.mark.parametrize("heavy_first,offs_32", [(False, False), (True, False), (False, True)])
+def test_paged_attention_launch_variants(heavy_first, offs_32):
+    """Grid order and 32-bit cache offsets change the schedule and the address math, not the result."""
+    from kernels.triton.attention import _paged_attention
+    q_lens, ctx_lens = ATTN_CASES["mixed"]
+    args = _paged_inputs(q_lens, ctx_lens, 32, 8, 128, 16, torch.bfloat16)
+    ref = paged_attention_ref(*args, 0.09)
+    plan = dict(BLOCK_M=128, BLOCK_N=64, NUM_SPLITS=1, num_warps=8, num_stages=2, HEAVY_FIRST=heavy_first,
+                OFFS_32=offs_32)
+    assert _rel(_paged_attention(*args, 0.09, plan=plan), ref) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kvcache(dtype):
     from kernels.triton.attention import store_kvcache_triton
@@ -154,6 +166,48 @@ def test_rotary(rot_fraction, dtype):
     assert torch.equal(qkv[:, Hq + Hk:], v_before)
 
 
+@pytest.mark.parametrize("rot_fraction", [1.0, 0.5])
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_store_kvcache(rot_fraction, qk_norm, dtype):
+    from kernels.triton.rotary import rotary_store_kvcache_triton
+    T, Hq, Hk, D, page = 77, 32, 4, 128, 16
+    rot = int(D * rot_fraction)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, rot, 2, device=DEVICE).float() / rot))
+    cache = build_cos_sin_cache(inv_freq, 8192)
+    positions = torch.randint(0, 8192, (T,), device=DEVICE)
+    qkv = torch.randn(T, Hq + 2 * Hk, D, device=DEVICE).to(dtype)
+    q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + Hk], qkv[:, Hq + Hk:]
+    kc = torch.randn(20, page, Hk, D, device=DEVICE).to(dtype)
+    vc = torch.randn_like(kc)
+    slots = torch.randperm(20 * page, device=DEVICE)[:T]
+    slots[::9] = -1
+    norm = ((1 + 0.1 * torch.randn(D, device=DEVICE)).to(dtype), (1 + 0.1 * torch.randn(D, device=DEVICE)).to(dtype),
+            1e-6) if qk_norm else None
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q_ref = rotary_store_kvcache_ref(positions, q.clone(), k.clone(), v.clone(), cache, kc_ref, vc_ref, slots, norm)
+    k_before = k.clone()
+    q_out = rotary_store_kvcache_triton(positions, q, k, v, cache, kc, vc, slots, norm)
+    assert q_out.data_ptr() == q.data_ptr()  # in place
+    assert _rel(q_out, q_ref) < TOL[dtype] / 4 and _rel(kc, kc_ref) < TOL[dtype] / 4
+    assert torch.equal(vc, vc_ref) and torch.equal(k, k_before)
+
+
+@pytest.mark.parametrize("experts,top_k", [(128, 8), (8, 2), (60, 4)])
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+@pytest.mark.parametrize("scoring,renormalize", [("softmax", True), ("softmax", False), ("sigmoid", True)])
+def test_topk_routing(experts, top_k, num_tokens, scoring, renormalize):
+    from kernels.triton.routing import topk_routing_triton
+    logits = torch.randn(num_tokens, experts, device=DEVICE).to(torch.bfloat16)
+    w, ids = topk_routing_triton(logits, top_k, renormalize, scoring)
+    w_ref, ids_ref = topk_routing_ref(logits, top_k, renormalize, scoring)
+    assert torch.allclose(w, w_ref, atol=1e-6, rtol=1e-5) and ids.dtype == torch.int32
+    # bf16 logits tie often: any expert of a tied score may be chosen, so check the chosen scores
+    scores = logits.float().softmax(-1) if scoring == "softmax" else logits.float().sigmoid()
+    assert torch.equal(scores.gather(1, ids.long()), scores.topk(top_k, dim=-1).values)
+    assert (ids.sort(1).values.diff(dim=1) > 0).all()  # no expert twice
+
+
 @pytest.mark.parametrize("shape", [(1, 2 * 14336), (77, 2 * 768), (4, 3, 2 * 100)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(shape, dtype):
@@ -167,7 +221,7 @@ MOE_SHAPES = {"mixtral_like": (8, 2, 512, 384), "qwen3_30b_a3b": (128, 8, 2048, 
 
 
 @pytest.mark.parametrize("model", list(MOE_SHAPES))
-@pytest.mark.parametrize("num_tokens", [1, 7, 64, 300, 4096])
+@pytest.mark.parametrize("num_tokens", [1, 2, 7, 64, 300, 4096])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_experts(model, num_tokens, dtype):
     from kernels.triton.moe import fused_experts_triton
@@ -185,3 +239,21 @@ def test_fused_experts(model, num_tokens, dtype):
     assert _rel(out, ref) < TOL[dtype]
     if num_tokens > 2:
         assert torch.all(out[2] == 0)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_fused_experts_pair_blocks_match_grouping(num_tokens):
+    """The decode path (a block per pair, per-token sum) against the grouped path on one input."""
+    from kernels.triton.moe import _fused_experts
+    E, k, H, inter = MOE_SHAPES["qwen3_30b_a3b"]
+    x = torch.randn(num_tokens, H, device=DEVICE).to(torch.bfloat16)
+    w13 = (torch.randn(E, 2 * inter, H, device=DEVICE) / math.sqrt(H)).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, inter, device=DEVICE) / math.sqrt(inter)).to(torch.bfloat16)
+    weights, ids = topk_routing(torch.randn(num_tokens, E, device=DEVICE), k, renormalize=True)
+    ids[0, 3] = -1
+    grouped = dict(BLOCK_M=16, BLOCK_N1=64, BLOCK_N2=64, BLOCK_K=128, num_warps=4, num_stages=4, PAIRS=False)
+    pairs = dict(grouped, BLOCK_N1=16, PAIRS=True)
+    out_pairs = _fused_experts(x, w13, w2, weights, ids, cfg=pairs)
+    out_grouped = _fused_experts(x, w13, w2, weights, ids, cfg=grouped)
+    assert _rel(out_pairs, out_grouped) < 1e-2
+    assert _rel(out_pairs, fused_experts_ref(x, w13, w2, weights, ids)) < TOL[torch.bfloat16]

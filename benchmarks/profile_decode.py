@@ -1,0 +1,314 @@
+"""Where a decode step's time goes: engine step, graph replay, LM head + sampling, host
+preparation, and a per-kernel table of the replayed graph.
+
+Builds one model of `benchmarks.roofline.MODELS` with dummy weights, runs `--batch` sequences
+to `--context` tokens, then per decode step reports
+  (a) the full engine step (`EngineCore.step()`, what roofline times),
+  (b) the CUDA graph replay alone (GPU time, events),
+  (c) the LM head + sampling run eagerly on the replay's hidden states (GPU time),
+  (d) the host phases of a step (schedule, prepare, forward launch, SamplingBatch.build, sample
+      + token readback, update; wall time),
+  (e) the kernels of one replay (torch.profiler; name, count, us, share),
+and, per linear layer of layer 0, the GEMM at this batch (achieved GB/s). `--compare-previous`
+first runs the same with the code paths this profile replaced (separate q/k norm, rotary and
+KV-store launches, torch routing, MoE grouping at decode, LM head outside the graph), in the
+same process.
+
+  python -m benchmarks.profile_decode --model llama3-8b --batch 1 --context 1024 --out p.json
+"""
+import argparse
+import contextlib
+import gc
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.roofline import MODELS, build, copy_bandwidth, kv_bytes, param_bytes
+
+
+@contextlib.contextmanager
+def previous_paths():
+    """The decode paths before the fused launches: q/k RMSNorm, rotary and KV store as separate
+    kernels, routing in torch ops, MoE grouping even for a handful of pairs, no LM head in
+    graphs (see profile_variant)."""
+    import engine.layers.moe as layer_moe
+    import engine.models.llama as llama
+    import kernels.triton.moe as triton_moe
+    from kernels import paged_attention, store_kvcache
+    from kernels.moe import topk_routing_ref
+
+    def forward(self, positions, x, ctx):
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        a = self.attn
+        store_kvcache(k, v, a.k_cache, a.v_cache, ctx.slot_mapping)
+        out = paged_attention(q, a.k_cache, a.v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+                              a.scale, ctx.max_query_len, ctx.max_seq_len)
+        return self.o_proj(out.flatten(1))
+
+    saved = (llama.LlamaAttention.forward, layer_moe.topk_routing, triton_moe._PAIR_BLOCKS)
+    llama.LlamaAttention.forward = forward
+    layer_moe.topk_routing = topk_routing_ref
+    triton_moe._PAIR_BLOCKS = 0
+    try:
+        yield
+    finally:
+        llama.LlamaAttention.forward, layer_moe.topk_routing, triton_moe._PAIR_BLOCKS = saved
+
+
+def recapture(runner, batch: int, with_logits: bool) -> None:
+    from engine.cuda_graphs import DecodeGraphs
+
+    runner.graphs = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    runner.graphs = DecodeGraphs(runner.model, [batch], -(-runner.max_model_len // runner.block_size),
+                                 runner.max_model_len, runner.device, with_logits=with_logits)
+
+
+class PhaseTimer:
+    """Wraps host functions of one step and records their wall time per call."""
+
+    def __init__(self):
+        self.times = defaultdict(list)
+        self._undo = []
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        fn = getattr(owner, name)
+        self._undo.append((owner, name, vars(owner).get(name)))
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.times[label].append(time.perf_counter() - t)
+
+        setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        for owner, name, raw in reversed(self._undo):
+            if raw is None:
+                delattr(owner, name)  # was the class's method, not the instance's own
+            else:
+                setattr(owner, name, raw)
+        self._undo.clear()
+
+
+def median_us(xs) -> float:
+    return statistics.median(xs) * 1e6 if xs else float("nan")
+
+
+def gpu_time_us(fn, reps: int = 50) -> float:
+    """Median GPU time of fn from CUDA events, one pair per call."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def kernel_table(fn, reps: int = 10) -> list[dict]:
+    """Kernels of `reps` calls of fn (graph replays show their kernels): per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            r = rows[ev.name]
+            r[0] += 1
+            r[1] += ev.time_range.elapsed_us()
+    total = sum(t for _, t in rows.values()) or 1.0
+    out = [dict(kernel=name, count=c / reps, us=t / reps, share=t / total)
+           for name, (c, t) in rows.items() if "Memcpy" not in name and "Memset" not in name]
+    return sorted(out, key=lambda r: -r["us"])
+
+
+def _in_graph_us(fn, copies: int, calls: int = 8) -> float:
+    """Microseconds per call of fn(i) replayed `calls` times back to back in one graph, cycling
+    over `copies` weight copies so that none is read from L2 (as in a decode step)."""
+    from triton.testing import do_bench
+
+    fn(0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i % copies)
+    return do_bench(g.replay, warmup=10, rep=50, return_mode="median") * 1e3 / calls
+
+
+def linear_table(model, batch: int, bw: float) -> list[dict]:
+    """Each linear weight of layer 0 (and the LM head) as a GEMM at this batch, timed inside a graph
+    of back-to-back calls (cuBLAS)."""
+    layer = model.model.layers[0]
+    weights = {n: m.weight for n, m in layer.named_modules() if hasattr(m, "weight") and m.weight is not None
+               and m.weight.dim() == 2}
+    weights["lm_head"] = model.lm_head.weight
+    rows = []
+    for name, w in weights.items():
+        copies = 1 if name == "lm_head" else max(1, min(4, -(-200 * 2**20 // (w.numel() * w.element_size()))))
+        ws = [w] + [w.clone() for _ in range(copies - 1)]
+        x = torch.randn(batch, w.shape[1], device=w.device, dtype=w.dtype)
+        t = _in_graph_us(lambda i: F.linear(x, ws[i]), copies, 1 if name == "lm_head" else 8)
+        nbytes = w.numel() * w.element_size()
+        rows.append(dict(linear=name, shape=list(w.shape), us=t, of_copy_bw=nbytes / (t * 1e-6) / bw))
+    return rows
+
+
+def replay_launch_us(graph, reps: int = 20) -> float:
+    """Median host time of graph.replay() itself (the call returns before the GPU is done)."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        graph.replay()
+        times.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return median_us(times)
+
+
+def profile_variant(llm, batch: int, label: str, with_logits: bool, steps: int) -> dict:
+    from engine import model_runner
+    from engine.sampler import SamplingBatch, sample
+
+    core, runner = llm.engine, llm.engine.runner
+    recapture(runner, batch, with_logits)
+    for _ in range(5):
+        core.step()
+    timer = PhaseTimer()
+    timer.wrap(core.scheduler, "schedule", "schedule")
+    timer.wrap(runner, "prepare", "prepare")
+    timer.wrap(runner, "forward_logits", "forward_logits (launch)")
+    timer.wrap(model_runner.SamplingBatch, "build", "SamplingBatch.build")
+    timer.wrap(model_runner, "sample", "sample (launch)")
+    timer.wrap(core.scheduler, "update", "update")
+    step_times = []
+    try:
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            core.step()
+            torch.cuda.synchronize()
+            step_times.append(time.perf_counter() - t)
+    finally:
+        timer.restore()
+    host = {k: median_us(v) for k, v in timer.times.items()}
+    step_us = median_us(step_times)
+    host["tokens readback + other (rest of the step)"] = step_us - sum(host.values())
+
+    graph, hidden, _ = runner.graphs.graphs[batch]
+    replay_us = gpu_time_us(graph.replay)
+    launch_us = replay_launch_us(graph)
+    reqs = list(core.scheduler.running)[:batch]
+    sbatch = SamplingBatch.build(reqs, runner.vocab_size, runner.device)
+
+    def head_and_sample():
+        logits = runner.model.compute_logits(hidden).float()
+        sample(logits[:len(reqs)], sbatch, core.eos_token_ids)
+
+    head_us = gpu_time_us(head_and_sample)
+    kernels = kernel_table(graph.replay)
+    if not kernels:  # this profiler does not see inside graphs: the same forward, eagerly
+        g = runner.graphs
+        print("no kernels reported inside the graph replay; profiling the eager forward instead")
+        kernels = kernel_table(torch.inference_mode()(lambda: g._forward(batch)))
+    return dict(variant=label, lm_head_in_graph=with_logits, step_us=step_us, graph_replay_us=replay_us,
+                graph_launch_host_us=launch_us, lm_head_and_sampling_eager_us=head_us, host_us=host,
+                kernels=kernels)
+
+
+def print_variant(r: dict, floor_us: float) -> None:
+    print(f"\n=== {r['variant']}: step {r['step_us']:.0f} us ({floor_us / r['step_us']:.0%} of the HBM floor "
+          f"{floor_us:.0f} us) ===")
+    inside = "decoder + LM head" if r["lm_head_in_graph"] else "decoder only"
+    print(f"(b) graph replay ({inside}): {r['graph_replay_us']:.0f} us GPU; "
+          f"graph.replay() host call {r['graph_launch_host_us']:.0f} us")
+    print(f"(c) LM head + sampling, eager: {r['lm_head_and_sampling_eager_us']:.0f} us GPU")
+    print("(d) host phases (median wall us per step):")
+    for k, v in r["host_us"].items():
+        print(f"    {k:<45}{v:>9.1f}")
+    print("(e) kernels of one replay:")
+    print(f"    {'kernel':<72}{'count':>7}{'us':>9}{'share':>7}")
+    for k in r["kernels"][:40]:
+        print(f"    {k['kernel'][:72]:<72}{k['count']:>7.1f}{k['us']:>9.1f}{k['share']:>7.1%}")
+    total = sum(k["us"] for k in r["kernels"])
+    count = sum(k["count"] for k in r["kernels"])
+    print(f"    {'all kernels':<72}{count:>7.0f}{total:>9.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama3-8b", choices=list(MODELS))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--compare-previous", action="store_true",
+                    help="also profile the code paths the fused launches replaced (same process)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from engine import SamplingParams
+    from engine.protocol import EngineRequest
+
+    bw = copy_bandwidth()
+    llm = build(args.model, max_num_batched_tokens=4096, max_num_seqs=max(args.batch, 8), max_model_len=8192,
+                gpu_memory_utilization=0.9, cuda_graph_sizes=(args.batch,))
+    core = llm.engine
+    total_steps = 4 * (args.steps + 10)  # enough for every variant's steps
+    for i in range(args.batch):
+        core.add_request(EngineRequest(f"r{i}", [(i * 7 + j) % 1000 + 1 for j in range(args.context)],
+                                       SamplingParams(max_tokens=total_steps, ignore_eos=True, temperature=0)))
+    while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
+        core.step()
+    moe = "moe" in MODELS[args.model]["model_type"]
+    wbytes = param_bytes(llm, MODELS[args.model]["num_experts_per_tok"] if moe else None)
+    floor_us = (wbytes + kv_bytes(llm, args.batch, args.context)) / bw * 1e6
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s; {args.model} b={args.batch} "
+          f"ctx={args.context}: {wbytes / 1e9:.2f} GB of weights per step, floor {floor_us:.0f} us")
+    results = []
+    if args.compare_previous:
+        with previous_paths():
+            results.append(profile_variant(llm, args.batch, "previous paths", False, args.steps))
+        print_variant(results[-1], floor_us)
+    results.append(profile_variant(llm, args.batch, "current", True, args.steps))
+    print_variant(results[-1], floor_us)
+    linears = linear_table(llm.engine.runner.model, args.batch, bw)
+    print("\nlinear layers of layer 0, us per call inside a graph of back-to-back calls (of copy bandwidth):")
+    for r in linears:
+        print(f"    {r['linear']:<24}{str(r['shape']):<16} cuBLAS {r['us']:>7.1f} ({r['of_copy_bw']:.0%})")
+    print(f"\n{'variant':<28}{'step us':>9}{'of floor':>9}{'replay us':>10}{'launch us':>10}{'kernels':>8}")
+    for r in results:
+        print(f"{r['variant']:<28}{r['step_us']:>9.0f}{floor_us / r['step_us']:>9.0%}{r['graph_replay_us']:>10.0f}"
+              f"{r['graph_launch_host_us']:>10.0f}{sum(k['count'] for k in r['kernels']):>8.0f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(
+            device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), model=args.model,
+            batch=args.batch, context=args.context, copy_GBps=bw / 1e9, floor_us=floor_us,
+            variants=results, linears=linears), indent=1))
+
+
+if __name__ == "__main__":
+    main()
