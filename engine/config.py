@@ -46,7 +46,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # none: with --enable-expert-parallel over DP ranks that means naive (mori on ROCm when importable)
     all2all_backend: str = "none"  # none | naive | a2a | ipc | mori
+    ep_dispatch_fp8: bool = False  # a2a: quantize tokens to fp8 (per-token scale) before dispatch
     moe_experts: str = "auto"  # auto | triton | torch | aiter
     expert_placement_strategy: str = "linear"  # linear | round_robin
     # Multi-node, torchrun style: ranks are spread evenly over the nodes.
@@ -54,6 +56,22 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29533
+
+    def validate(self, kv_transfer_enabled: bool) -> None:
+        backends = ("none", "naive", "a2a", "ipc", "mori")
+        if self.all2all_backend not in backends:
+            raise ValueError(f"unknown --all2all-backend {self.all2all_backend!r}; expected one of {', '.join(backends)}")
+        if self.all2all_backend != "none" and not self.enable_expert_parallel:
+            raise ValueError(f"--all2all-backend {self.all2all_backend} needs --enable-expert-parallel")
+        if self.ep_dispatch_fp8 and self.all2all_backend != "a2a":
+            raise ValueError("--ep-dispatch-fp8 applies to --all2all-backend a2a only")
+        if self.data_parallel_size > 1:
+            unsupported = [msg for bad, msg in [
+                (self.tensor_parallel_size > 1, "--tensor-parallel-size > 1"),
+                (kv_transfer_enabled, "PD disaggregation (--kv-transfer-config)"),
+                (self.nnodes > 1, "--nnodes > 1")] if bad]
+            if unsupported:
+                raise ValueError(f"--data-parallel-size > 1 with {unsupported[0]} is not supported yet")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import logging
 import time
 
 import torch
+import torch.distributed as dist
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -13,9 +14,9 @@ from engine.loader import eos_token_ids, load_hf_config
 from engine.model_runner import ModelRunner
 from engine.protocol import EngineRequest, RequestOutput, SchedulerStats
 from engine.request import Request
-from engine.parallel import init_tensor_parallel
-from engine.scheduler import Scheduler
-from engine.worker import Workers, broadcast_step, init_distributed, local_device
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.worker import (Workers, broadcast_step, data_parallel_device, init_data_parallel, init_distributed,
+                           leave_distributed, local_device)
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +27,16 @@ def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    """dp_rank: this engine's data-parallel rank (--data-parallel-size > 1). Each DP rank is an
+    EngineCore of its own (own scheduler, KV cache and GPU); with expert parallelism the ranks
+    step in lockstep (see `step`)."""
+
+    def __init__(self, config: EngineConfig, dp_rank: int = 0):
+        config.parallel.validate(config.kv_transfer.enabled)
         self.config = config
+        self.dp_rank, self.dp_size = dp_rank, config.parallel.data_parallel_size
+        self._dp_group = None  # gloo group of the lockstep DP ranks (expert parallel only)
+        self._dp_busy = True  # any DP rank had work at the last step (unknown: step to find out)
         self.hf_config = load_hf_config(config.model.model)
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.vocab_size = self.hf_config.vocab_size
@@ -45,6 +54,10 @@ class EngineCore:
             group = init_distributed(config, 0)
             self._broadcast = lambda inputs: broadcast_step(group, inputs)
             device = local_device(config, 0)
+        elif self.dp_size > 1:
+            device = data_parallel_device(config, dp_rank)
+            if config.parallel.enable_expert_parallel:
+                self._dp_group = init_data_parallel(config, dp_rank)
         self.runner = ModelRunner(config, self.hf_config, self.max_model_len, device)
         self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                    config.cache.enable_prefix_caching)
@@ -91,18 +104,47 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         sampled, prompt_logprobs = {}, {}
-        if out.scheduled:
+        if self._dp_group is not None:
+            sampled, prompt_logprobs = self._lockstep_execute(out)
+        elif out.scheduled:
             hook = self.connector.layer_hook(out.scheduled) if self.connector is not None else None
             sampled, prompt_logprobs = self.runner.execute(out, self.eos_token_ids, hook, self._broadcast)
         outputs = self.scheduler.update(out, sampled, prompt_logprobs)
-        if not out.scheduled and not outputs:
+        if not out.scheduled and not outputs and self._dp_group is None:
             time.sleep(0.001)  # only KV transfers in flight: poll them without spinning a core
         return outputs
 
+    def _lockstep_execute(self, out: SchedulerOutput):
+        """Expert parallelism over DP ranks: every MoE layer is a collective over the ranks, so
+        they run a forward pass together or not at all. They agree on the most tokens any rank
+        scheduled and on whether any batch needs the eager path; each pads its batch to that
+        many tokens (an idle rank runs a batch of padding only), so dispatch sees equal token
+        counts and every rank replays the same CUDA graph."""
+        num_tokens = sum(n for _, n in out.scheduled)
+        eager = any(n != 1 for _, n in out.scheduled)
+        local = torch.tensor([num_tokens, int(eager), int(self._has_local_work())], dtype=torch.long)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._dp_group)
+        max_tokens, eager, self._dp_busy = int(local[0]), bool(local[1]), bool(local[2])
+        if max_tokens == 0:
+            return {}, {}
+        return self.runner.execute(out, self.eos_token_ids, pad_to=max_tokens, force_eager=eager)
+
+    @property
+    def dp_lockstep(self) -> bool:
+        """This engine is one of several DP ranks that must step together (expert parallel)."""
+        return self._dp_group is not None
+
+    def _has_local_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.sending)
+
     def has_unfinished_requests(self) -> bool:
         """True while requests run or wait, or KV blocks are held for a transfer (they are freed
-        by the steps that poll the connector)."""
-        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.sending)
+        by the steps that poll the connector). Lockstep DP ranks answer for all ranks, as of the
+        last step, so that every rank takes the same number of steps: one keeps stepping (with
+        padding-only batches) while any rank has work."""
+        if self._dp_group is not None:
+            return self._dp_busy
+        return self._has_local_work()
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -111,10 +153,16 @@ class EngineCore:
         self.scheduler.abort_requests(list(self.scheduler.requests))
         if self.connector is not None:
             self.connector.close()
+        if self.workers is not None or self._dp_group is not None:
+            self.runner.close()  # graphs may hold NCCL work: drop them before leaving the group
         if self.workers is not None:
+            # Stop the workers, leave the group while they do the same and wait for us (see
+            # leave_distributed), then let them go.
             self._broadcast(None)
-            # Tear down together with the workers (NCCL's teardown waits for every rank).
-            torch.distributed.destroy_process_group()
+            leave_distributed()
+            self.workers.stopped.set()
             self.workers.join()
-            init_tensor_parallel(None)
             self.workers = None
+        elif self._dp_group is not None:
+            leave_distributed()
+            self._dp_group = None

@@ -2,7 +2,7 @@
 
 Receives [b"ADD", EngineRequest] / [b"ABORT", list[str]] / [b"STATS"] frames on a PULL
 socket, steps the engine while it has work (blocking on the socket when idle), and pushes
-[b"OUT", list[RequestOutput]], [b"STATS", SchedulerStats] and [b"REJECT", [id, message,
+[b"OUT", list[RequestOutput]], [b"STATS", SchedulerStats, dp rank] and [b"REJECT", [id, message,
 http_status]] frames back. Dies with its parent.
 """
 import ctypes
@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _IDLE_POLL_MS = 1000  # idle wake-up period, only to notice a dead parent
+_LOCKSTEP_IDLE_POLL_MS = 2  # lockstep DP ranks step together even when idle: wait this long for input
 _STATS_PERIOD_S = 1.0
 
 
@@ -62,15 +63,24 @@ class EngineCoreLoop:
         self.last_stats_time = 0.0
 
     def run(self) -> None:
+        # Lockstep DP ranks (expert parallel) must take every step together, idle or not: they
+        # never block on the socket, and a step in which no rank has work runs nothing.
+        lockstep = self.core.dp_lockstep
+        was_busy = True
         while True:
-            if not self.core.has_unfinished_requests():
-                self.publish_stats()  # once per busy->idle transition, so gauges settle at idle
-                while not self.poller.poll(_IDLE_POLL_MS):
+            busy = self.core.has_unfinished_requests()
+            if not busy:
+                if was_busy:
+                    self.publish_stats()  # once per busy->idle transition, so gauges settle at idle
+                while not self.poller.poll(_LOCKSTEP_IDLE_POLL_MS if lockstep else _IDLE_POLL_MS):
                     if self.parent_pid is not None and os.getppid() != self.parent_pid:
                         logger.error("API process %d is gone; engine core exiting", self.parent_pid)
                         return
+                    if lockstep:
+                        break
+            was_busy = busy
             self.drain_input()
-            if self.core.has_unfinished_requests():
+            if lockstep or self.core.has_unfinished_requests():
                 outputs: list[RequestOutput] = self.core.step()
                 if outputs:
                     self.output.send_multipart([b"OUT", self.encoder.encode(outputs)])
@@ -107,7 +117,8 @@ class EngineCoreLoop:
 
     def publish_stats(self) -> None:
         self.last_stats_time = time.monotonic()
-        self.output.send_multipart([b"STATS", self.encoder.encode(self.core.get_stats())])
+        self.output.send_multipart([b"STATS", self.encoder.encode(self.core.get_stats()),
+                                    str(self.core.dp_rank).encode()])
 
     def close(self) -> None:
         self.input.close(linger=0)
@@ -116,7 +127,7 @@ class EngineCoreLoop:
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, ready_pipe: Connection,
-                    parent_pid: int | None = None, log_level: str = "info") -> None:
+                    parent_pid: int | None = None, log_level: str = "info", dp_rank: int = 0) -> None:
     """Entry point of the engine core process (multiprocessing 'spawn' target).
 
     Reports ("ready", info) or ("error", traceback text) through ready_pipe, then serves
@@ -130,7 +141,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rea
     try:
         from engine.core import EngineCore
 
-        core = EngineCore(config)
+        core = EngineCore(config, dp_rank)
     except BaseException:
         ready_pipe.send(("error", traceback.format_exc()))
         ready_pipe.close()

@@ -25,7 +25,11 @@ class LLM:
     """Keyword arguments are EngineConfig fields (the CLI flag names with '_')."""
 
     def __init__(self, model: str = DEFAULT_MODEL_DIR, **kwargs):
-        self.engine = EngineCore(EngineConfig.create(model=model, **kwargs))
+        config = EngineConfig.create(model=model, **kwargs)
+        if config.parallel.data_parallel_size > 1:
+            raise ValueError("LLM runs one engine; --data-parallel-size > 1 runs one engine core per rank "
+                             "in the server (`server --data-parallel-size N`)")
+        self.engine = EngineCore(config)
         self._tokenizer = None
         self._counter = 0
 

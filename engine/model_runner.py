@@ -6,6 +6,7 @@ that need them (the last token of a request that is due a new token, and prompt
 positions whose logprobs were asked for) and samples.
 """
 import contextlib
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.forward_context import ForwardContext
 from engine.loader import init_dummy_weights, load_weights
 from engine.models import model_class
-from engine.parallel import tp_size
+from engine.parallel import expert_parallel, tp_size
 from engine.protocol import TokenLogprobs
 from engine.sampler import SamplingBatch, sample, token_logprobs
 from engine.scheduler import SampledToken, SchedulerOutput
@@ -73,6 +74,9 @@ class ModelRunner:
             init_dummy_weights(self.model, config.model.seed)
         else:
             load_weights(self.model, config.model.model)
+        for module in self.model.modules():  # kernels that want their own weight layout
+            if hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
         self.model.eval()
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
@@ -161,17 +165,30 @@ class ModelRunner:
         comp = self.config.compilation
         if self.device.type != "cuda" or comp.enforce_eager or not triton_available():
             return None
+        ep = expert_parallel()
+        if ep is not None and ep.backend in ("a2a", "mori"):
+            logger.info("CUDA graphs are off: the %s all2all backend sizes its transfers on the host", ep.backend)
+            return None
         limit = self.config.scheduler.max_num_seqs
         sizes = [s for s in comp.cuda_graph_sizes if s <= limit] or [limit]
         return DecodeGraphs(self.model, sizes, -(-self.max_model_len // self.block_size), self.max_model_len,
                             self.device)
 
+    def close(self) -> None:
+        """Drop the CUDA graphs (and the collectives captured in them)."""
+        if self.graphs is not None:
+            self.graphs = None
+            gc.collect()
+            torch.cuda.synchronize(self.device)
+
     # ---- one step ------------------------------------------------------------------------
 
-    def prepare(self, out: SchedulerOutput) -> tuple["StepInputs", list, list]:
+    def prepare(self, out: SchedulerOutput, pad_to: int = 0) -> tuple["StepInputs", list, list]:
         """Flatten the scheduled requests into one batch. Returns the inputs (what every TP rank
         needs), the requests due a sampled token and the prompt-logprob spans, whose logits rows
-        follow the sampled ones: (request, first target index, count)."""
+        follow the sampled ones: (request, first target index, count). pad_to: append one-token
+        padding sequences (slot -1: nothing stored; they attend to one slot of block 0) until
+        the batch has that many tokens."""
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
         sample_rows, sample_reqs, prompt_rows, prompt_spans = [], [], [], []
@@ -194,14 +211,20 @@ class ModelRunner:
                 if last >= first:
                     prompt_rows.extend(range(row0 + first - 1 - start, row0 + last - start))
                     prompt_spans.append((req, first, last - first + 1))
-        max_blocks = max(len(r.block_ids) for r, _ in out.scheduled)
+        num_pad = max(0, pad_to - len(input_ids))
+        input_ids.extend([0] * num_pad)
+        positions.extend([0] * num_pad)
+        slots.extend([-1] * num_pad)
+        qsl.extend(range(qsl[-1] + 1, qsl[-1] + 1 + num_pad))
+        seq_lens.extend([1] * num_pad)
+        tables = [r.block_ids for r, _ in out.scheduled] + [[0]] * num_pad
+        max_blocks = max(len(t) for t in tables)
         inputs = StepInputs(
             input_ids=torch.tensor(input_ids), positions=torch.tensor(positions),
             slot_mapping=torch.tensor(slots, dtype=torch.long),
-            block_tables=torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids))
-                                       for r, _ in out.scheduled], dtype=torch.int32),
+            block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            max_query_len=max(n for _, n in out.scheduled), logits_rows=sample_rows + prompt_rows)
+            max_query_len=max([n for _, n in out.scheduled] + [1]), logits_rows=sample_rows + prompt_rows)
         return inputs, sample_reqs, prompt_spans
 
     @torch.inference_mode()
@@ -209,7 +232,7 @@ class ModelRunner:
         """Run the model on one batch; logits (float32) at x.logits_rows. Every TP rank calls this."""
         dev = self.device
         decode_only = x.input_ids.shape[0] == x.seq_lens.shape[0]
-        if (self.graphs is not None and decode_only and on_layer_stored is None
+        if (self.graphs is not None and decode_only and on_layer_stored is None and not x.force_eager
                 and self.graphs.padded_size(x.input_ids.shape[0]) is not None):
             hidden, logits = self.graphs.run(x.input_ids, x.positions, x.slot_mapping, x.block_tables, x.seq_lens)
             rows = x.logits_rows
@@ -224,11 +247,14 @@ class ModelRunner:
         return self.model.compute_logits(hidden[x.logits_rows]).float()
 
     def execute(self, out: SchedulerOutput, eos_token_ids: set[int], on_layer_stored=None,
-                broadcast=None) -> tuple[dict[str, SampledToken], dict[str, list[TokenLogprobs]]]:
+                broadcast=None, pad_to: int = 0, force_eager: bool = False
+                ) -> tuple[dict[str, SampledToken], dict[str, list[TokenLogprobs]]]:
         """One step on rank 0. broadcast(inputs) hands the batch to the other TP ranks first;
         on_layer_stored(layer) runs once each layer's new KV is in the cache (write-mode KV
-        connectors push it from there)."""
-        inputs, sample_reqs, prompt_spans = self.prepare(out)
+        connectors push it from there). pad_to / force_eager: lockstep data-parallel ranks pad
+        to the same token count and agree on eager vs. CUDA graph (see EngineCore.step)."""
+        inputs, sample_reqs, prompt_spans = self.prepare(out, pad_to)
+        inputs.force_eager = force_eager
         if broadcast is not None:
             broadcast(inputs)
         logits = self.forward_logits(inputs, on_layer_stored)
@@ -259,3 +285,4 @@ class StepInputs:
     query_start_loc: torch.Tensor
     max_query_len: int
     logits_rows: list[int]
+    force_eager: bool = False

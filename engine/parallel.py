@@ -1,4 +1,11 @@
-"""Tensor-parallel process group state (world of one unless torch.distributed is set up)."""
+"""Process-group state: tensor parallel (TP) and expert parallel (EP).
+
+World of one unless torch.distributed is set up. EP spans the TP ranks (experts sharded
+over ranks that hold the same tokens) or the data-parallel ranks (each with its own tokens,
+moved by a dispatch/combine backend).
+"""
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -31,3 +38,54 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp_size())]
     dist.all_gather(parts, x.contiguous(), group=_tp_group)
     return torch.cat(parts, dim=dim)
+
+
+@dataclass
+class ExpertParallel:
+    """group: the EP ranks; backend: dispatch/combine (`local` when EP spans TP ranks);
+    max_tokens_per_rank: the most tokens one rank passes to a MoE layer in one step;
+    uniform_tokens: every rank passes the same number of tokens (DP ranks pad to the max)."""
+
+    group: dist.ProcessGroup
+    backend: str
+    placement: str
+    max_tokens_per_rank: int
+    uniform_tokens: bool
+    fp8: bool = False
+    _dispatchers: dict | None = None
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def dispatcher(self, num_experts: int, hidden_size: int, dtype: torch.dtype):
+        """One dispatcher per expert count and shape, shared by every MoE layer (its buffers are
+        reused layer after layer). Every rank creates them in the same order (it may be collective)."""
+        from kernels.ep import make_dispatcher
+
+        self._dispatchers = self._dispatchers if self._dispatchers is not None else {}
+        key = (num_experts, hidden_size, dtype)
+        if key not in self._dispatchers:
+            self._dispatchers[key] = make_dispatcher(
+                self.backend, self.group, num_experts, self.placement, max_tokens_per_rank=self.max_tokens_per_rank,
+                hidden_size=hidden_size, dtype=dtype, uniform_tokens=self.uniform_tokens, fp8=self.fp8)
+        return self._dispatchers[key]
+
+
+_ep: ExpertParallel | None = None
+
+
+def init_expert_parallel(ep: ExpertParallel | None) -> None:
+    global _ep
+    if _ep is not None and _ep._dispatchers:
+        for d in _ep._dispatchers.values():
+            getattr(d, "close", lambda: None)()
+    _ep = ep
+
+
+def expert_parallel() -> ExpertParallel | None:
+    return _ep

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.parallel import init_tensor_parallel
+from engine.parallel import ExpertParallel, init_expert_parallel, init_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -37,17 +37,91 @@ def local_device(config: EngineConfig, rank: int) -> str:
     return f"cuda:{rank - ranks_on_node(config).start}"
 
 
-def init_distributed(config: EngineConfig, rank: int) -> dist.ProcessGroup:
-    """Join the world; returns the gloo group that carries step inputs."""
+def max_tokens_per_step(config: EngineConfig) -> int:
+    return max(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
+
+
+def _join_world(config: EngineConfig, device: str, world_size: int, rank: int) -> dist.ProcessGroup:
+    """init_process_group (NCCL on GPUs, gloo on CPU); returns a gloo group for host-side traffic."""
     p = config.parallel
-    device = local_device(config, rank)
     backend = "gloo" if device == "cpu" else "nccl"
     if device != "cpu":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://{p.master_addr}:{p.master_port}",
-                            world_size=p.tensor_parallel_size, rank=rank, timeout=datetime.timedelta(minutes=10))
-    init_tensor_parallel(dist.group.WORLD)
+                            world_size=world_size, rank=rank, timeout=datetime.timedelta(minutes=10))
     return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+
+
+def init_distributed(config: EngineConfig, rank: int) -> dist.ProcessGroup:
+    """Join the tensor-parallel world; returns the gloo group that carries step inputs. With
+    --enable-expert-parallel the experts are sharded over the TP ranks (which hold the same
+    tokens): each computes its own experts' share and the TP all-reduce sums them."""
+    p = config.parallel
+    group = _join_world(config, local_device(config, rank), p.tensor_parallel_size, rank)
+    init_tensor_parallel(dist.group.WORLD)
+    if p.enable_expert_parallel:
+        init_expert_parallel(ExpertParallel(dist.group.WORLD, "local", p.expert_placement_strategy,
+                                            max_tokens_per_step(config), uniform_tokens=True))
+    return group
+
+
+def data_parallel_device(config: EngineConfig, dp_rank: int) -> str:
+    if config.model.device == "cpu" or (config.model.device == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    return f"cuda:{dp_rank}"
+
+
+def init_data_parallel(config: EngineConfig, dp_rank: int) -> dist.ProcessGroup:
+    """Join the data-parallel world for expert parallelism over the DP ranks; returns the gloo
+    group on which the ranks agree, step by step, on what to run (see EngineCore.step)."""
+    p = config.parallel
+    group = _join_world(config, data_parallel_device(config, dp_rank), p.data_parallel_size, dp_rank)
+    backend = p.all2all_backend
+    if backend == "none":
+        backend = "mori" if _mori_available() else "naive"
+    logger.info("expert parallel over %d DP ranks: all2all backend %s, placement %s", p.data_parallel_size,
+                backend, p.expert_placement_strategy)
+    init_expert_parallel(ExpertParallel(dist.group.WORLD, backend, p.expert_placement_strategy,
+                                        max_tokens_per_step(config), uniform_tokens=True, fp8=p.ep_dispatch_fp8))
+    return group
+
+
+def _mori_available() -> bool:
+    if torch.version.hip is None:
+        return False
+    try:
+        import mori  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_NCCL_TEARDOWN_S = 20.0
+
+
+def leave_distributed() -> None:
+    """Leave the process groups (the caller dropped its CUDA graphs first: captured NCCL work
+    is the suspected reason an abort can hang). NCCL groups are aborted, gloo ones destroyed.
+    On 2x H200 the abort still hung for TP=2 with NCCL captured in decode graphs (not yet
+    re-run with the graphs dropped), so it runs on a thread with a deadline: past it, the
+    process logs and carries on (it is exiting anyway) instead of hanging its parent."""
+    init_tensor_parallel(None)
+    init_expert_parallel(None)
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() != "nccl":
+        dist.destroy_process_group()
+        return
+    torch.cuda.synchronize()
+    done = threading.Event()
+
+    def abort() -> None:
+        dist.distributed_c10d._abort_process_group()
+        done.set()
+
+    threading.Thread(target=abort, daemon=True, name="nccl-abort").start()
+    if not done.wait(_NCCL_TEARDOWN_S):
+        logger.error("NCCL process group abort did not finish in %.0f s; leaving it behind", _NCCL_TEARDOWN_S)
 
 
 def broadcast_step(group: dist.ProcessGroup, inputs) -> None:
@@ -62,7 +136,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_main(config: EngineConfig, rank: int, max_model_len: int) -> None:
+def _worker_main(config: EngineConfig, rank: int, max_model_len: int, stopped) -> None:
     _die_with_parent()
     from engine.loader import load_hf_config
     from engine.model_runner import ModelRunner
@@ -76,7 +150,10 @@ def _worker_main(config: EngineConfig, rank: int, max_model_len: int) -> None:
         if box[0] is None:
             break
         runner.forward_logits(box[0])
-    dist.destroy_process_group()
+    runner.close()
+    leave_distributed()
+    # Stay until rank 0 has left too: NCCL's abort can hang on a peer process that is gone.
+    stopped.wait(30)
 
 
 class Workers:
@@ -85,7 +162,8 @@ class Workers:
     def __init__(self, config: EngineConfig, max_model_len: int, include_rank0: bool):
         ctx = mp.get_context("spawn")
         ranks = [r for r in ranks_on_node(config) if include_rank0 or r != 0]
-        self.procs = [ctx.Process(target=_worker_main, args=(config, r, max_model_len), daemon=True,
+        self.stopped = ctx.Event()  # set once rank 0 has left the process group
+        self.procs = [ctx.Process(target=_worker_main, args=(config, r, max_model_len, self.stopped), daemon=True,
                                   name=f"tp-rank-{r}") for r in ranks]
         for proc in self.procs:
             proc.start()

@@ -85,7 +85,7 @@ def run_api_server(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if client.dead:
-        logger.error("exiting with an error: the engine core process died (exit code %s)", client.proc.exitcode)
+        logger.error("exiting with an error: an engine core process died (exit code %s)", client.dead_exitcode)
         return 1
     return 0
 

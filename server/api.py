@@ -91,7 +91,7 @@ def build_app(client: EngineClient, config: EngineConfig, tokenizer: Tokenizer |
 
     @app.get("/health")
     async def health() -> Response:
-        if client.dead or (client.proc is not None and not client.proc.is_alive()):
+        if client.dead or not all(p.is_alive() for p in client.procs):
             return error_response(EngineDeadError())
         return Response(status_code=200)
 

@@ -1,9 +1,10 @@
-"""The API process's handle on the engine core process: spawns it, then talks to it over ZMQ.
+"""The API process's handle on the engine core process(es): spawns them (one per data-parallel
+rank), then talks to them over ZMQ.
 
 Frames (multipart, msgpack via msgspec):
-  API -> core (PUSH/PULL): [b"ADD", EngineRequest] | [b"ABORT", list[str]] | [b"STATS"]
-  core -> API (PUSH/PULL): [b"OUT", list[RequestOutput]] | [b"STATS", SchedulerStats]
-                           | [b"REJECT", [request_id, message, http_status]]
+  API -> core (PUSH/PULL, one socket per rank): [b"ADD", EngineRequest] | [b"ABORT", list[str]] | [b"STATS"]
+  core -> API (PUSH/PULL, shared): [b"OUT", list[RequestOutput]] | [b"STATS", SchedulerStats, dp rank]
+                                   | [b"REJECT", [request_id, message, http_status]]
 """
 import asyncio
 import logging
@@ -81,83 +82,116 @@ class RequestStream:
 
 
 class EngineClient:
-    """Spawns the engine core process (`engine.core_proc.run_engine_core`) and exchanges
-    requests/outputs with it. `start`/`wait_ready` are synchronous (before the event loop); the rest runs
-    on the API process's event loop. Watches the core's liveness: if it dies, every open
+    """Spawns the engine core process(es) (`engine.core_proc.run_engine_core`, one per data-parallel
+    rank) and exchanges requests/outputs with them. `start`/`wait_ready` are synchronous (before
+    the event loop); the rest runs on the API process's event loop. New requests go to the DP
+    rank with the fewest open requests. Watches the cores' liveness: if one dies, every open
     request fails with EngineDeadError and `on_dead` is called (the server then exits)."""
 
     def __init__(self, config: EngineConfig, log_level: str = "info"):
         self.config = config
         self.log_level = log_level
+        self.num_ranks = config.parallel.data_parallel_size
         self.info: EngineInfo | None = None
-        self.proc: multiprocessing.process.BaseProcess | None = None
-        self._ready_conn = None
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self._ready_conns = []
         self.dead = False
+        self.dead_exitcode: int | None = None
         self.on_dead: Callable[[], None] | None = None
-        self.last_stats = SchedulerStats()
+        self._rank_stats = [SchedulerStats() for _ in range(self.num_ranks)]
         self._ipc_dir = tempfile.mkdtemp(prefix="tandem-")
-        self.input_addr = f"ipc://{self._ipc_dir}/input"
         self.output_addr = f"ipc://{self._ipc_dir}/output"
         self._ctx = zmq.Context()
-        self._input = self._ctx.socket(zmq.PUSH)
-        self._input.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on send
-        self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(self.input_addr)
+        self._inputs = []
+        for rank in range(self.num_ranks):
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on send
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(f"ipc://{self._ipc_dir}/input{rank}")
+            self._inputs.append(sock)
         self._output: zmq.asyncio.Socket | None = None
         self._queues: dict[str, asyncio.Queue] = {}
+        self._rank_of: dict[str, int] = {}
+        self._open = [0] * self.num_ranks
         self._stats_waiters: list[asyncio.Future] = []
+        self._stats_fresh: set[int] = set()
         self._output_task: asyncio.Task | None = None
         self._closing = False
         self._encoder = msgspec.msgpack.Encoder()
         self._outputs_decoder = msgspec.msgpack.Decoder(list[RequestOutput])
         self._stats_decoder = msgspec.msgpack.Decoder(SchedulerStats)
 
+    @property
+    def proc(self) -> multiprocessing.process.BaseProcess | None:
+        """The first engine core process (the only one without data parallelism)."""
+        return self.procs[0] if self.procs else None
+
+    @property
+    def last_stats(self) -> SchedulerStats:
+        """The latest stats of every DP rank, summed."""
+        if self.num_ranks == 1:
+            return self._rank_stats[0]
+        total = SchedulerStats(**{f: sum(getattr(s, f) for s in self._rank_stats)
+                                  for f in SchedulerStats.__struct_fields__ if f != "kv_cache_usage"})
+        total.kv_cache_usage = 1.0 - total.num_free_blocks / max(total.num_total_blocks, 1)
+        return total
+
     # -- process lifetime (synchronous, main thread) ------------------------------------------
     def start(self) -> None:
-        """Spawn the engine core process (returns at once; `wait_ready` blocks until it has loaded)."""
+        """Spawn the engine core process(es) (returns at once; `wait_ready` blocks until loaded)."""
         from engine.core_proc import run_engine_core
 
         ctx = multiprocessing.get_context("spawn")
-        self._ready_conn, child_conn = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=run_engine_core, name="EngineCore",
-                                args=(self.config, self.input_addr, self.output_addr, child_conn,
-                                      os.getpid(), self.log_level))
-        self.proc.start()
-        child_conn.close()
-        logger.info("engine core process started: pid=%d; waiting for it to load the model", self.proc.pid)
+        for rank in range(self.num_ranks):
+            ready, child_conn = ctx.Pipe(duplex=False)
+            name = "EngineCore" if self.num_ranks == 1 else f"EngineCore-DP{rank}"
+            proc = ctx.Process(target=run_engine_core, name=name,
+                               args=(self.config, f"ipc://{self._ipc_dir}/input{rank}", self.output_addr,
+                                     child_conn, os.getpid(), self.log_level, rank))
+            proc.start()
+            child_conn.close()
+            self.procs.append(proc)
+            self._ready_conns.append(ready)
+            logger.info("engine core process %s started: pid=%d; waiting for it to load the model", name, proc.pid)
 
     def wait_ready(self) -> EngineInfo:
-        """Block until the engine core reports ready; EngineStartupError (with its traceback) if it fails."""
-        while not self._ready_conn.poll(0.5):
-            if not self.proc.is_alive():
-                raise EngineStartupError(f"engine core process exited during start-up (exit code "
-                                         f"{self.proc.exitcode}) without reporting an error")
-        try:
-            kind, payload = self._ready_conn.recv()
-        except EOFError as exc:
-            raise EngineStartupError("engine core process closed its ready pipe without a word") from exc
-        finally:
-            self._ready_conn.close()
-        if kind != "ready":
-            raise EngineStartupError(f"engine core failed to start:\n{payload}")
-        self.info = EngineInfo(**payload)
-        logger.info("engine core ready: pid=%d max_model_len=%d vocab_size=%d",
-                    self.proc.pid, self.info.max_model_len, self.info.vocab_size)
+        """Block until every engine core reports ready; EngineStartupError (with its traceback) if one fails."""
+        for proc, conn in zip(self.procs, self._ready_conns):
+            while not conn.poll(0.5):
+                dead = [p for p in self.procs if not p.is_alive()]
+                if dead:
+                    raise EngineStartupError(f"engine core process {dead[0].name} exited during start-up (exit "
+                                             f"code {dead[0].exitcode}) without reporting an error")
+            try:
+                kind, payload = conn.recv()
+            except EOFError as exc:
+                raise EngineStartupError(f"engine core process {proc.name} closed its ready pipe without a word") from exc
+            finally:
+                conn.close()
+            if kind != "ready":
+                raise EngineStartupError(f"engine core failed to start ({proc.name}):\n{payload}")
+            self.info = EngineInfo(**payload)
+        logger.info("engine core ready: %d process(es), max_model_len=%d vocab_size=%d",
+                    len(self.procs), self.info.max_model_len, self.info.vocab_size)
         return self.info
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine core (SIGTERM, then SIGKILL after `timeout`) and release the sockets."""
+        """Stop the engine cores (SIGTERM, then SIGKILL after `timeout`) and release the sockets."""
         self._closing = True
-        if self.proc is not None and self.proc.is_alive():
-            start = time.monotonic()
-            self.proc.terminate()
-            self.proc.join(timeout)
-            if self.proc.is_alive():
-                logger.warning("engine core did not stop within %.0fs of SIGTERM; killing it", timeout)
-                self.proc.kill()
-                self.proc.join()
-            logger.info("engine core stopped (exit code %s) in %.1fs", self.proc.exitcode, time.monotonic() - start)
-        self._input.close(linger=0)
+        start = time.monotonic()
+        alive = [p for p in self.procs if p.is_alive()]
+        for proc in alive:
+            proc.terminate()
+        for proc in alive:
+            proc.join(max(0.1, timeout - (time.monotonic() - start)))
+            if proc.is_alive():
+                logger.warning("engine core %s did not stop within %.0fs of SIGTERM; killing it", proc.name, timeout)
+                proc.kill()
+                proc.join()
+            logger.info("engine core %s stopped (exit code %s) in %.1fs", proc.name, proc.exitcode,
+                        time.monotonic() - start)
+        for sock in self._inputs:
+            sock.close(linger=0)
         if self._output is not None:
             self._output.close(linger=0)
         self._ctx.term()
@@ -170,13 +204,13 @@ class EngineClient:
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(self.output_addr)
         self._output_task = asyncio.create_task(self._output_loop(), name="engine-output-loop")
-        if self.proc is not None:
-            asyncio.get_running_loop().add_reader(self.proc.sentinel, self._on_core_exit)
+        for proc in self.procs:
+            asyncio.get_running_loop().add_reader(proc.sentinel, self._on_core_exit, proc)
 
     async def stop_output_loop(self) -> None:
         self._closing = True
-        if self.proc is not None:
-            asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+        for proc in self.procs:
+            asyncio.get_running_loop().remove_reader(proc.sentinel)
         if self._output_task is not None:
             self._output_task.cancel()
 
@@ -185,20 +219,35 @@ class EngineClient:
         if self.dead:
             raise EngineDeadError()
         stream = RequestStream(self, [r.request_id for r in requests])
+        rank = min(range(self.num_ranks), key=self._open.__getitem__)  # one stream's requests share a prompt
         for req in requests:
             self._queues[req.request_id] = stream._queue
-            self._input.send_multipart([b"ADD", self._encoder.encode(req)], copy=False)
+            self._rank_of[req.request_id] = rank
+            self._open[rank] += 1
+            self._inputs[rank].send_multipart([b"ADD", self._encoder.encode(req)], copy=False)
         return stream
+
+    def _forget(self, request_id: str) -> int | None:
+        """Drop a request's routing state; returns the rank it ran on."""
+        self._queues.pop(request_id, None)
+        rank = self._rank_of.pop(request_id, None)
+        if rank is not None:
+            self._open[rank] -= 1
+        return rank
 
     def add_request(self, request: EngineRequest) -> RequestStream:
         return self.add_requests([request])
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort in the engine (frees their KV blocks); their later outputs are dropped."""
+        by_rank: dict[int, list[str]] = {}
         for rid in request_ids:
-            self._queues.pop(rid, None)
-        if request_ids and not self.dead:
-            self._input.send_multipart([b"ABORT", self._encoder.encode(request_ids)])
+            rank = self._forget(rid)
+            if rank is not None:
+                by_rank.setdefault(rank, []).append(rid)
+        if not self.dead:
+            for rank, ids in by_rank.items():
+                self._inputs[rank].send_multipart([b"ABORT", self._encoder.encode(ids)])
 
     async def get_stats(self, timeout: float = 2.0) -> SchedulerStats:
         """Fresh SchedulerStats from the core (the last known ones if it does not answer in time)."""
@@ -206,7 +255,9 @@ class EngineClient:
             return self.last_stats
         waiter = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(waiter)
-        self._input.send_multipart([b"STATS", b""])
+        self._stats_fresh.clear()
+        for sock in self._inputs:
+            sock.send_multipart([b"STATS", b""])
         try:
             return await asyncio.wait_for(waiter, timeout)
         except asyncio.TimeoutError:
@@ -218,39 +269,47 @@ class EngineClient:
 
     async def _output_loop(self) -> None:
         while True:
-            kind, payload = await self._output.recv_multipart()
+            kind, payload, *rest = await self._output.recv_multipart()
             if kind == b"OUT":
                 for out in self._outputs_decoder.decode(payload):
                     queue = self._queues.get(out.request_id)
                     if queue is None:
                         continue
                     if out.finished:
-                        del self._queues[out.request_id]
+                        self._forget(out.request_id)
                     queue.put_nowait(out)
             elif kind == b"STATS":
-                self.last_stats = self._stats_decoder.decode(payload)
+                rank = int(rest[0]) if rest else 0
+                self._rank_stats[rank] = self._stats_decoder.decode(payload)
+                self._stats_fresh.add(rank)
+                if len(self._stats_fresh) < self.num_ranks:
+                    continue
                 waiters, self._stats_waiters = self._stats_waiters, []
                 for waiter in waiters:
                     if not waiter.done():
                         waiter.set_result(self.last_stats)
             elif kind == b"REJECT":
                 request_id, message, status = msgspec.msgpack.decode(payload)
-                queue = self._queues.pop(request_id, None)
+                queue = self._queues.get(request_id)
+                self._forget(request_id)
                 if queue is not None:
                     queue.put_nowait(APIError(message, status=status))
             else:
                 logger.error("unknown frame from the engine core: %r", kind)
 
-    def _on_core_exit(self) -> None:
-        asyncio.get_running_loop().remove_reader(self.proc.sentinel)
-        if self._closing:
+    def _on_core_exit(self, proc: multiprocessing.process.BaseProcess) -> None:
+        asyncio.get_running_loop().remove_reader(proc.sentinel)
+        if self._closing or self.dead:
             return
-        self.proc.join(1.0)
+        proc.join(1.0)
         self.dead = True
-        logger.error("engine core process died unexpectedly (pid=%d, exit code %s); failing %d open "
-                     "request(s) and shutting the server down", self.proc.pid, self.proc.exitcode,
+        self.dead_exitcode = proc.exitcode
+        logger.error("engine core process %s died unexpectedly (pid=%d, exit code %s); failing %d open "
+                     "request(s) and shutting the server down", proc.name, proc.pid, proc.exitcode,
                      len(self._queues))
         queues, self._queues = self._queues, {}
+        self._rank_of.clear()
+        self._open = [0] * self.num_ranks
         for queue in {id(q): q for q in queues.values()}.values():  # one stream may hold several ids
             queue.put_nowait(EngineDeadError())
         if self.on_dead is not None:

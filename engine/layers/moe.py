@@ -9,18 +9,26 @@ from torch import nn
 
 from engine.config import ParallelConfig
 from engine.layers.linear import ReplicatedLinear
-from engine.parallel import tp_all_reduce, tp_rank, tp_size
+from engine.parallel import expert_parallel, tp_all_reduce, tp_rank, tp_size
 from kernels.ep import make_dispatcher
+from kernels.ep.placement import local_experts
 from kernels.moe import fused_experts, fused_experts_ref, topk_routing
 
-_EXPERTS_IMPLS = {"auto": fused_experts, "triton": fused_experts, "torch": fused_experts_ref}
+_EXPERTS_IMPLS = {"triton": fused_experts, "torch": fused_experts_ref}
 
 
 def experts_impl(name: str):
+    """The experts kernel for --moe-experts; auto = aiter on ROCm when it imports, else triton
+    (which falls back to the torch reference on CPU)."""
+    from kernels.moe_aiter import aiter_available, fused_experts_aiter, require_aiter
+
+    if name == "auto":
+        name = "aiter" if aiter_available() else "triton"
     if name == "aiter":
-        raise ValueError("--moe-experts aiter needs ROCm with the aiter package; use triton or torch")
+        require_aiter()
+        return fused_experts_aiter
     if name not in _EXPERTS_IMPLS:
-        raise ValueError(f"unknown --moe-experts {name!r}; expected one of {sorted(_EXPERTS_IMPLS)}")
+        raise ValueError(f"unknown --moe-experts {name!r}; expected auto, aiter, {', '.join(_EXPERTS_IMPLS)}")
     return _EXPERTS_IMPLS[name]
 
 
@@ -30,27 +38,45 @@ class FusedMoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.renormalize, self.scoring = renormalize, scoring
-        if intermediate_size % tp_size():
-            raise ValueError(f"MoE intermediate size {intermediate_size} is not divisible by the TP size {tp_size()}")
-        # Tensor parallel: every rank holds every expert's slice of the intermediate dimension.
-        self.intermediate_size = intermediate_size // tp_size()
+        ep = expert_parallel() if parallel.enable_expert_parallel else None
+        if ep is not None and ep.size > 1:
+            # Expert parallel: this rank holds whole experts (global ids self.expert_ids, in local
+            # order); the dispatcher maps global ids to ranks and local indices.
+            self.expert_ids = local_experts(num_experts, ep.size, ep.rank, ep.placement)
+            self.shards, self.shard = 1, 0
+            self.dispatcher = ep.dispatcher(num_experts, hidden_size, torch.get_default_dtype())
+        else:
+            # Tensor parallel: every rank holds every expert's slice of the intermediate dimension.
+            self.expert_ids = list(range(num_experts))
+            self.shards, self.shard = tp_size(), tp_rank()
+            self.dispatcher = make_dispatcher("none")
+        if intermediate_size % self.shards:
+            raise ValueError(f"MoE intermediate size {intermediate_size} is not divisible by the TP size {self.shards}")
+        self.intermediate_size = intermediate_size // self.shards
+        self._local_index = {e: i for i, e in enumerate(self.expert_ids)}
+        n = len(self.expert_ids)
         self.gate = ReplicatedLinear(hidden_size, num_experts)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(n, 2 * self.intermediate_size, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(n, hidden_size, self.intermediate_size), requires_grad=False)
         self.w13.weight_loader = self.weight_loader
         self.w2.weight_loader = self.weight_loader
-        if parallel.enable_expert_parallel or parallel.all2all_backend != "none":
-            raise ValueError("expert parallelism (--enable-expert-parallel, --all2all-backend other than none) "
-                             "is not wired into the engine yet; the backends live in kernels/ep")
-        self.dispatcher = make_dispatcher("none")
         self.experts = experts_impl(parallel.moe_experts)
+
+    def process_weights_after_loading(self) -> None:
+        from kernels.moe_aiter import fused_experts_aiter, shuffle_expert_weights
+
+        if self.experts is fused_experts_aiter:
+            w13, w2 = shuffle_expert_weights(self.w13.data, self.w2.data)
+            self.w13.data, self.w2.data = w13, w2
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """shard_id: None (all experts stacked) or (expert, part) with part 0 = gate, 1 = up,
-        None = down."""
-        size, rank = self.intermediate_size, tp_rank()
+        None = down. Experts held by other EP ranks are skipped."""
+        size, rank = self.intermediate_size, self.shard
         if shard_id is None:
             dst = param.data
+            if len(self.expert_ids) != self.num_experts:
+                loaded = loaded[self.expert_ids]
             if param is self.w13:  # [E, 2I, H]: this rank's rows of gate and of up
                 full = loaded.shape[1] // 2
                 loaded = torch.cat([loaded[:, rank * size:(rank + 1) * size],
@@ -59,7 +85,9 @@ class FusedMoE(nn.Module):
                 loaded = loaded.narrow(2, rank * size, size)
         else:
             expert, part = shard_id
-            dst = param.data[expert]
+            if expert not in self._local_index:
+                return
+            dst = param.data[self._local_index[expert]]
             if part is not None:
                 dst = dst.narrow(0, part * size, size)
                 loaded = loaded.narrow(0, rank * size, size)

@@ -69,7 +69,7 @@ class FakeEngineClient:
 
     def __init__(self):
         self.info = EngineInfo(max_model_len=64, vocab_size=512, eos_token_ids=[2], tokenizer_path="")
-        self.proc = None
+        self.procs = []
         self.dead = False
         self.script = None  # request_id -> list[RequestOutput | Exception]
         self.aborted = []

@@ -1,0 +1,101 @@
+"""Decode TPOT of an expert-parallel MoE model per dispatch/combine backend.
+
+Each of the N GPUs runs one data-parallel engine (--data-parallel-size N
+--enable-expert-parallel): attention local, experts sharded, tokens moved by the backend.
+Every rank decodes `batch` sequences of ~`context` tokens; TPOT is the median wall time of a
+lockstep decode step (all ranks), with dummy weights of a Hugging Face-shaped config.
+
+  python -m benchmarks.ep_tpot --backends ipc a2a naive --batch 1 32 --out tpot.json
+"""
+import argparse
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from benchmarks.roofline import MODELS
+
+
+def _rank(rank: int, world: int, model_dir: str, backend: str, batches: list[int], context: int, steps: int,
+          port: int, results) -> None:
+    from engine import SamplingParams
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.protocol import EngineRequest
+
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(name)s: %(message)s")
+    config = EngineConfig.create(
+        model=model_dir, load_format="dummy", dtype="bfloat16", data_parallel_size=world,
+        enable_expert_parallel=True, all2all_backend=backend, master_port=port, max_model_len=4096,
+        max_num_seqs=max(batches), max_num_batched_tokens=2048, cuda_graph_sizes=tuple(sorted(set(batches))),
+        gpu_memory_utilization=0.85)
+    core = EngineCore(config, dp_rank=rank)
+    out = {}
+    for batch in batches:
+        for i in range(batch):
+            core.add_request(EngineRequest(f"b{batch}-{i}", [(i * 7 + j + rank) % 1000 + 1 for j in range(context)],
+                                           SamplingParams(max_tokens=steps + 4, ignore_eos=True, temperature=0)))
+        while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
+            core.step()
+        times = []
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            core.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        core.abort_requests(list(core.scheduler.requests))
+        while core.has_unfinished_requests():
+            core.step()
+        out[batch] = sorted(times)[len(times) // 2]
+    results[(backend, rank)] = out
+    core.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-30b-a3b", choices=[m for m in MODELS if "moe" in MODELS[m]["model_type"]])
+    ap.add_argument("--backends", nargs="+", default=["ipc", "a2a", "naive"])
+    ap.add_argument("--gpus", type=int, default=torch.cuda.device_count())
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="sequences per rank")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from tests.ports import free_port
+
+    d = Path(tempfile.mkdtemp()) / args.model
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(MODELS[args.model]))
+    results = mp.Manager().dict()
+    rows = []
+    for backend in args.backends:
+        t0 = time.time()
+        try:
+            mp.spawn(_rank, args=(args.gpus, str(d), backend, args.batch, args.context, args.steps, free_port(),
+                                  results), nprocs=args.gpus)
+        except Exception as exc:  # one backend failing must not lose the others' rows
+            print(f"{backend}: failed: {exc}", flush=True)
+            continue
+        for batch in args.batch:
+            tpot = max(results[(backend, r)][batch] for r in range(args.gpus))
+            rows.append(dict(backend=backend, ep=args.gpus, batch_per_rank=batch, tpot_ms=tpot * 1e3))
+            print("measured:", rows[-1], f"({time.time() - t0:.0f} s with start-up)", flush=True)
+    base = {r["batch_per_rank"]: r["tpot_ms"] for r in rows if r["backend"] == "naive"}
+    print(f"{'backend':<8} {'EP':>3} {'batch/rank':>10} {'TPOT ms':>8} {'vs naive':>9}")
+    for r in rows:
+        r["speedup_vs_naive"] = base.get(r["batch_per_rank"], float("nan")) / r["tpot_ms"]
+        print(f"{r['backend']:<8} {r['ep']:>3} {r['batch_per_rank']:>10} {r['tpot_ms']:>8.2f} "
+              f"{r['speedup_vs_naive']:>8.2f}x")
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), gpus=args.gpus,
+                                                  date=time.strftime("%Y-%m-%d"), model=args.model,
+                                                  context=args.context, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
