@@ -17,15 +17,13 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from benchmarks.roofline import MODELS
+from benchmarks.roofline import MODELS, time_decode
 
 
 def _rank(rank: int, world: int, model_dir: str, backend: str, batches: list[int], context: int, steps: int,
           port: int, results) -> None:
-    from engine import SamplingParams
     from engine.config import EngineConfig
     from engine.core import EngineCore
-    from engine.protocol import EngineRequest
 
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(name)s: %(message)s")
     config = EngineConfig.create(
@@ -34,24 +32,7 @@ def _rank(rank: int, world: int, model_dir: str, backend: str, batches: list[int
         max_num_seqs=max(batches), max_num_batched_tokens=2048, cuda_graph_sizes=tuple(sorted(set(batches))),
         gpu_memory_utilization=0.85)
     core = EngineCore(config, dp_rank=rank)
-    out = {}
-    for batch in batches:
-        for i in range(batch):
-            core.add_request(EngineRequest(f"b{batch}-{i}", [(i * 7 + j + rank) % 1000 + 1 for j in range(context)],
-                                           SamplingParams(max_tokens=steps + 4, ignore_eos=True, temperature=0)))
-        while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
-            core.step()
-        times = []
-        for _ in range(steps):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            core.step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        core.abort_requests(list(core.scheduler.requests))
-        while core.has_unfinished_requests():
-            core.step()
-        out[batch] = sorted(times)[len(times) // 2]
+    out = {batch: time_decode(core, batch, context, steps) for batch in batches}
     results[(backend, rank)] = out
     core.shutdown()
 

@@ -80,12 +80,12 @@ def param_bytes(llm, active_experts: int | None = None) -> int:
     return total
 
 
-def time_decode(llm, batch: int, context: int, steps: int = 32) -> float:
-    """Median seconds per decode step with `batch` sequences at ~`context` tokens."""
+def time_decode(core, batch: int, context: int, steps: int = 32) -> float:
+    """Median seconds per decode step of EngineCore `core` with `batch` sequences at ~`context`
+    tokens (lockstep DP ranks call it together: they take the same steps)."""
     from engine import SamplingParams
     from engine.protocol import EngineRequest
 
-    core = llm.engine
     for i in range(batch):
         core.add_request(EngineRequest(f"r{i}", [(i * 7 + j) % 1000 + 1 for j in range(context)],
                                        SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0)))
@@ -144,7 +144,7 @@ def main() -> None:
         llm = build(name, max_num_batched_tokens=4096, max_num_seqs=64, max_model_len=8192,
                     gpu_memory_utilization=0.92)
         for batch in ([1] if moe else [1, 64]):
-            t = time_decode(llm, batch, args.context)
+            t = time_decode(llm.engine, batch, args.context)
             wbytes = param_bytes(llm, MODELS[name]["num_experts_per_tok"] if moe else None)
             # bw counts bytes read + written, which is what HBM moves per second either way.
             floor = (wbytes + kv_bytes(llm, batch, args.context)) / bw

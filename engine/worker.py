@@ -78,22 +78,13 @@ def init_data_parallel(config: EngineConfig, dp_rank: int) -> dist.ProcessGroup:
     group = _join_world(config, data_parallel_device(config, dp_rank), p.data_parallel_size, dp_rank)
     backend = p.all2all_backend
     if backend == "none":
-        backend = "mori" if _mori_available() else "naive"
+        from kernels.ep.mori import mori_available
+        backend = "mori" if mori_available() else "naive"
     logger.info("expert parallel over %d DP ranks: all2all backend %s, placement %s", p.data_parallel_size,
                 backend, p.expert_placement_strategy)
     init_expert_parallel(ExpertParallel(dist.group.WORLD, backend, p.expert_placement_strategy,
                                         max_tokens_per_step(config), uniform_tokens=True, fp8=p.ep_dispatch_fp8))
     return group
-
-
-def _mori_available() -> bool:
-    if torch.version.hip is None:
-        return False
-    try:
-        import mori  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 _NCCL_TEARDOWN_S = 20.0

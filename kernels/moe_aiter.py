@@ -8,11 +8,9 @@ import torch
 
 
 def aiter_available() -> bool:
-    if torch.version.hip is None:
-        return False
     try:
-        import aiter  # noqa: F401
-    except ImportError:
+        require_aiter()
+    except ValueError:
         return False
     return True
 

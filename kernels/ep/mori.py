@@ -15,6 +15,14 @@ from kernels.ep.placement import ExpertMap
 _SHMEM_GROUP = "tandem_ep"
 
 
+def mori_available() -> bool:
+    try:
+        require_mori()
+    except ValueError:
+        return False
+    return True
+
+
 def require_mori() -> None:
     """Raise a clear error unless MoRI-EP can run here (ROCm build of torch, `mori` importable)."""
     if torch.version.hip is None:

@@ -56,6 +56,21 @@ def _dp_rank(rank: int, kwargs: dict, prompts: list[list[int]], results) -> None
         core.shutdown()
 
 
+def run_dp_ranks(kwargs: dict, split: list[list[int]]) -> dict:
+    """One process per DP rank, rank r serving PROMPTS[i] for i in split[r]:
+    {rank: ({request id: (tokens, logprobs)}, steps taken)}."""
+    results = mp.Manager().dict()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_dp_rank, args=(r, kwargs, [PROMPTS[i] for i in idx], results))
+             for r, idx in enumerate(split)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return dict(results)
+
+
 @pytest.mark.parametrize("backend,placement,split", [
     ("naive", "linear", [[0, 1, 2, 3], []]),  # rank 1 idle throughout: runs padding-only batches
     ("a2a", "round_robin", [[1], [0, 2, 3]]),  # uneven: one rank finishes its prefill first
@@ -67,15 +82,7 @@ def test_lockstep_data_parallel_expert_parallel(tiny_models, backend, placement,
     kwargs = dict(model=path, block_size=4, data_parallel_size=len(split), enable_expert_parallel=True,
                   all2all_backend=backend, expert_placement_strategy=placement, master_port=free_port(),
                   max_num_batched_tokens=16, device="cpu")
-    results = mp.Manager().dict()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_dp_rank, args=(r, kwargs, [PROMPTS[i] for i in idx], results))
-             for r, idx in enumerate(split)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    results = run_dp_ranks(kwargs, split)
     assert len({results[r][1] for r in range(len(split))}) == 1  # every rank took the same steps
     for r, idx in enumerate(split):
         got = results[r][0]

@@ -4,10 +4,9 @@ without EP. Not yet run as a suite on GPUs (2026-11-23: the device time ran out)
 engine path ran end to end on 2x H200 from a script (naive eager and ipc with graphs)."""
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from engine import LLM
-from tests.engine.test_expert_parallel import PARAMS, PROMPTS, _dp_rank
+from tests.engine.test_expert_parallel import PARAMS, PROMPTS, run_dp_ranks
 from tests.engine.test_tensor_parallel_gpu import TEARDOWN_BUG
 from tests.ports import free_port
 
@@ -31,15 +30,7 @@ def test_lockstep_dp_ep_gpu(tiny_models, reference, backend, split):
     kwargs = dict(model=tiny_models["qwen3_moe"][0], data_parallel_size=2, enable_expert_parallel=True,
                   all2all_backend=backend, expert_placement_strategy="round_robin", master_port=free_port(),
                   device="auto", **COMMON)
-    results = mp.Manager().dict()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_dp_rank, args=(r, kwargs, [PROMPTS[i] for i in idx], results))
-             for r, idx in enumerate(split)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    results = run_dp_ranks(kwargs, split)
     for r, idx in enumerate(split):
         for j, i in enumerate(idx):
             tokens, lps = results[r][0][f"{r}-{j}"]

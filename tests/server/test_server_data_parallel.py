@@ -1,12 +1,18 @@
 """`server --data-parallel-size 2 --enable-expert-parallel`: two lockstep engine cores behind one
-API, requests spread over them; a tiny Qwen3-MoE answers what one offline engine answers."""
+API, requests spread over them; a tiny Qwen3-MoE answers what one offline engine answers. When
+one core dies the other must not hang in a collective: the whole server exits non-zero."""
+import os
 import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from conftest import NUM_BLOCKS, ServerProcess
+from conftest import NUM_BLOCKS, ServerProcess, pid_alive
 from tests.ports import free_port
 
 PROMPTS = [[5, 9, 33, 71], list(range(40, 70)), [7] * 13, [100, 3], [8, 8, 9]]
@@ -62,3 +68,29 @@ def test_data_parallel_expert_parallel_server(moe_model_dir, tmp_path):
     finally:
         code = srv.stop()
     assert code == 0, srv.read_log()
+
+
+def _engine_cores(srv: ServerProcess) -> list[int]:
+    children = Path(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read_text().split()
+    return [pid for pid in map(int, children)
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            and b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def test_killed_data_parallel_rank_takes_the_server_down(moe_model_dir, tmp_path):
+    srv = ServerProcess.for_model(moe_model_dir, tmp_path / "dp-kill.log", "--data-parallel-size", "2",
+                                  "--enable-expert-parallel", "--master-port", str(free_port())).wait_healthy()
+    try:
+        cores = _engine_cores(srv)
+        assert len(cores) == 2, cores
+        os.kill(cores[1], signal.SIGKILL)
+        code = srv.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        srv.kill()
+        pytest.fail(f"server still running 60 s after a DP engine core was killed:\n{srv.read_log()}")
+    assert code != 0
+    assert "engine core process EngineCore-DP1 died" in srv.read_log()
+    deadline = time.monotonic() + 10
+    while pid_alive(cores[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(cores[0]), "the surviving DP engine core outlived the server"
