@@ -37,6 +37,34 @@ def _rank(rank: int, world: int, model_dir: str, backend: str, batches: list[int
     core.shutdown()
 
 
+def _run_backend(backend: str, args, model_dir: str, port: int, results) -> bool:
+    """Run one backend's ranks; True when every rank reported. Ranks that reported but do not
+    exit within 30 s (a stalled NCCL teardown, README's known bug) are killed, so one backend
+    cannot keep the others from running."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, args.gpus, model_dir, backend, args.batch, args.context,
+                                             args.steps, port, results)) for r in range(args.gpus)]
+    for p in procs:
+        p.start()
+    deadline = time.time() + args.timeout
+
+    def reported() -> bool:
+        return all((backend, r) in results for r in range(args.gpus))
+
+    while time.time() < deadline and not reported() and all(p.exitcode in (None, 0) for p in procs):
+        time.sleep(1)
+    for p in procs:
+        p.join(30 if reported() else 0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+            print(f"{backend}: rank process {p.pid} killed ({'teardown stalled' if reported() else 'no result'})",
+                  flush=True)
+    if not reported():
+        print(f"{backend}: failed (exit codes {[p.exitcode for p in procs]})", flush=True)
+    return reported()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-30b-a3b", choices=[m for m in MODELS if "moe" in MODELS[m]["model_type"]])
@@ -45,6 +73,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="sequences per rank")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds a backend may take, start-up included")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from tests.ports import free_port
@@ -56,11 +85,7 @@ def main() -> None:
     rows = []
     for backend in args.backends:
         t0 = time.time()
-        try:
-            mp.spawn(_rank, args=(args.gpus, str(d), backend, args.batch, args.context, args.steps, free_port(),
-                                  results), nprocs=args.gpus)
-        except Exception as exc:  # one backend failing must not lose the others' rows
-            print(f"{backend}: failed: {exc}", flush=True)
+        if not _run_backend(backend, args, str(d), free_port(), results):
             continue
         for batch in args.batch:
             tpot = max(results[(backend, r)][batch] for r in range(args.gpus))
