@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.roofline import MODELS, build, copy_bandwidth, kv_bytes, param_bytes
+from benchmarks.roofline import MODELS, build, copy_bandwidth, kv_bytes, param_bytes, step_times
 
 
 @contextlib.contextmanager
@@ -206,18 +206,12 @@ def profile_variant(llm, batch: int, label: str, with_logits: bool, steps: int) 
     timer.wrap(model_runner.SamplingBatch, "build", "SamplingBatch.build")
     timer.wrap(model_runner, "sample", "sample (launch)")
     timer.wrap(core.scheduler, "update", "update")
-    step_times = []
     try:
-        for _ in range(steps):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            core.step()
-            torch.cuda.synchronize()
-            step_times.append(time.perf_counter() - t)
+        times = step_times(core, steps)
     finally:
         timer.restore()
     host = {k: median_us(v) for k, v in timer.times.items()}
-    step_us = median_us(step_times)
+    step_us = median_us(times)
     host["tokens readback + other (rest of the step)"] = step_us - sum(host.values())
 
     graph, hidden, _ = runner.graphs.graphs[batch]

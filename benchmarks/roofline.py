@@ -80,6 +80,18 @@ def param_bytes(llm, active_experts: int | None = None) -> int:
     return total
 
 
+def step_times(core, steps: int) -> list[float]:
+    """Seconds of each of `steps` engine steps, GPU work included."""
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        core.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return times
+
+
 def time_decode(core, batch: int, context: int, steps: int = 32) -> float:
     """Median seconds per decode step of EngineCore `core` with `batch` sequences at ~`context`
     tokens (lockstep DP ranks call it together: they take the same steps)."""
@@ -91,13 +103,7 @@ def time_decode(core, batch: int, context: int, steps: int = 32) -> float:
                                        SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0)))
     while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
         core.step()
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        core.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+    times = step_times(core, steps)
     core.abort_requests(list(core.scheduler.requests))
     core.step()
     return sorted(times)[len(times) // 2]

@@ -166,8 +166,8 @@ class ModelRunner:
         if self.device.type != "cuda" or comp.enforce_eager or not triton_available():
             return None
         ep = expert_parallel()
-        if ep is not None and ep.backend in ("a2a", "mori"):
-            logger.info("CUDA graphs are off: the %s all2all backend sizes its transfers on the host", ep.backend)
+        if ep is not None and not ep.graph_safe:
+            logger.info("CUDA graphs are off: the %s all2all backend syncs with the host", ep.backend)
             return None
         limit = self.config.scheduler.max_num_seqs
         sizes = [s for s in comp.cuda_graph_sizes if s <= limit] or [limit]

@@ -4,7 +4,7 @@ World of one unless torch.distributed is set up. EP spans the TP ranks (experts 
 over ranks that hold the same tokens) or the data-parallel ranks (each with its own tokens,
 moved by a dispatch/combine backend).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ class ExpertParallel:
     max_tokens_per_rank: int
     uniform_tokens: bool
     fp8: bool = False
-    _dispatchers: dict | None = None
+    _dispatchers: dict = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -62,12 +62,16 @@ class ExpertParallel:
     def rank(self) -> int:
         return dist.get_rank(self.group)
 
+    @property
+    def graph_safe(self) -> bool:
+        """Every dispatcher made so far can run inside a CUDA graph."""
+        return all(d.graph_safe for d in self._dispatchers.values())
+
     def dispatcher(self, num_experts: int, hidden_size: int, dtype: torch.dtype):
         """One dispatcher per expert count and shape, shared by every MoE layer (its buffers are
         reused layer after layer). Every rank creates them in the same order (it may be collective)."""
         from kernels.ep import make_dispatcher
 
-        self._dispatchers = self._dispatchers if self._dispatchers is not None else {}
         key = (num_experts, hidden_size, dtype)
         if key not in self._dispatchers:
             self._dispatchers[key] = make_dispatcher(
@@ -81,7 +85,7 @@ _ep: ExpertParallel | None = None
 
 def init_expert_parallel(ep: ExpertParallel | None) -> None:
     global _ep
-    if _ep is not None and _ep._dispatchers:
+    if _ep is not None:
         for d in _ep._dispatchers.values():
             getattr(d, "close", lambda: None)()
     _ep = ep

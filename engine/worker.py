@@ -31,10 +31,13 @@ def ranks_on_node(config: EngineConfig) -> range:
     return range(p.node_rank * per_node, (p.node_rank + 1) * per_node)
 
 
+def _on_cpu(config: EngineConfig) -> bool:
+    return config.model.device == "cpu" or (config.model.device == "auto" and not torch.cuda.is_available())
+
+
 def local_device(config: EngineConfig, rank: int) -> str:
-    if config.model.device == "cpu" or (config.model.device == "auto" and not torch.cuda.is_available()):
-        return "cpu"
-    return f"cuda:{rank - ranks_on_node(config).start}"
+    """The device of tensor-parallel rank `rank` (GPUs numbered from 0 on each node)."""
+    return "cpu" if _on_cpu(config) else f"cuda:{rank - ranks_on_node(config).start}"
 
 
 def max_tokens_per_step(config: EngineConfig) -> int:
@@ -66,9 +69,7 @@ def init_distributed(config: EngineConfig, rank: int) -> dist.ProcessGroup:
 
 
 def data_parallel_device(config: EngineConfig, dp_rank: int) -> str:
-    if config.model.device == "cpu" or (config.model.device == "auto" and not torch.cuda.is_available()):
-        return "cpu"
-    return f"cuda:{dp_rank}"
+    return "cpu" if _on_cpu(config) else f"cuda:{dp_rank}"
 
 
 def init_data_parallel(config: EngineConfig, dp_rank: int) -> dist.ProcessGroup:

@@ -6,23 +6,15 @@ project's CI or device pool. Imported lazily; asking for it without ROCm + aiter
 """
 import torch
 
+from kernels.backend import require_rocm_package, rocm_package_available
+
 
 def aiter_available() -> bool:
-    try:
-        require_aiter()
-    except ValueError:
-        return False
-    return True
+    return rocm_package_available("aiter")
 
 
 def require_aiter() -> None:
-    if torch.version.hip is None:
-        raise ValueError("--moe-experts aiter needs ROCm (this torch is built for "
-                         f"{'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU'}); use triton or torch")
-    try:
-        import aiter  # noqa: F401
-    except ImportError as exc:
-        raise ValueError(f"--moe-experts aiter needs the aiter package ({exc}); use triton or torch") from exc
+    require_rocm_package("aiter", "--moe-experts aiter", "triton or torch")
 
 
 def shuffle_expert_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,8 @@ import torch
 
 
 class DispatchCombine(Protocol):
+    graph_safe: bool  # no host sync: dispatch and combine can be captured in a CUDA graph
+
     def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]: ...
 
@@ -28,6 +30,8 @@ class DispatchCombine(Protocol):
 
 class NoDispatch:
     """All experts are local: nothing moves."""
+
+    graph_safe = True
 
     def dispatch(self, x, topk_weights, topk_ids):
         return x, topk_weights, topk_ids, None

@@ -15,6 +15,8 @@ from kernels.ep.placement import ExpertMap
 
 
 class AllToAllDispatch:
+    graph_safe = False  # split sizes are read on the host
+
     def __init__(self, group: dist.ProcessGroup, experts: ExpertMap, fp8: bool = False):
         self.group, self.size = group, dist.get_world_size(group)
         self.experts, self.fp8 = experts, fp8

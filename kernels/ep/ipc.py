@@ -69,6 +69,23 @@ def _only_if(cond, mask):
 
 
 @triton.jit
+def _token_experts(ids_ptr, owner_ptr, t, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
+    """Token t's top-k slots: (slot, slot < TOP_K, expert id, valid expert, its owner rank or -1)."""
+    slot = tl.arange(0, K_PAD)
+    in_k = slot < TOP_K
+    e = tl.load(ids_ptr + t * TOP_K + slot, mask=in_k, other=-1)
+    valid = in_k & (e >= 0) & (e < num_experts)
+    owner = tl.load(owner_ptr + e, mask=valid, other=-1)
+    return slot, in_k, e, valid, owner
+
+
+@triton.jit
+def _owns_any(owner, d):
+    """Whether rank d holds at least one of the token's experts."""
+    return tl.max((owner == d).to(tl.int32), axis=0) > 0
+
+
+@triton.jit
 def _dispatch_kernel(x_ptr, stride_x, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr,
                      x_off, ids_off, w_off, me, hidden, num_experts, rows_per_src,
                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
@@ -76,11 +93,7 @@ def _dispatch_kernel(x_ptr, stride_x, ids_ptr, w_ptr, owner_ptr, local_ptr, base
     rank that holds one of its experts; chunk 0 also writes the token's local ids and weights."""
     t = tl.program_id(0)
     c = tl.program_id(1)
-    slot = tl.arange(0, K_PAD)
-    in_k = slot < TOP_K
-    e = tl.load(ids_ptr + t * TOP_K + slot, mask=in_k, other=-1)
-    valid = in_k & (e >= 0) & (e < num_experts)
-    owner = tl.load(owner_ptr + e, mask=valid, other=-1)
+    slot, in_k, e, valid, owner = _token_experts(ids_ptr, owner_ptr, t, num_experts, TOP_K, K_PAD)
     local = tl.load(local_ptr + e, mask=valid, other=-1)
     weight = tl.load(w_ptr + t * TOP_K + slot, mask=in_k, other=0.0)
     cols = c * BLOCK + tl.arange(0, BLOCK)
@@ -89,7 +102,7 @@ def _dispatch_kernel(x_ptr, stride_x, ids_ptr, w_ptr, owner_ptr, local_ptr, base
     dst = (me * rows_per_src + t).to(tl.int64)
     for d in tl.static_range(WORLD):
         hit = owner == d
-        sends = tl.max(hit.to(tl.int32), axis=0) > 0
+        sends = _owns_any(owner, d)
         x_dst = _peer(bases_ptr, d, x_off, x_ptr.dtype.element_ty)
         tl.store(x_dst + dst * hidden + cols, row, mask=_only_if(sends, in_h))
         meta = _only_if(sends, _only_if(c == 0, in_k))
@@ -146,17 +159,13 @@ def _combine_sum_kernel(out_ptr, y_ptr, stride_y, comb_ptr, ids_ptr, owner_ptr, 
     (ours from y, the peers' from comb). Chunk 0 resets the ids slots [me, t] on those ranks."""
     t = tl.program_id(0)
     c = tl.program_id(1)
-    slot = tl.arange(0, K_PAD)
-    in_k = slot < TOP_K
-    e = tl.load(ids_ptr + t * TOP_K + slot, mask=in_k, other=-1)
-    valid = in_k & (e >= 0) & (e < num_experts)
-    owner = tl.load(owner_ptr + e, mask=valid, other=-1)
+    slot, in_k, e, valid, owner = _token_experts(ids_ptr, owner_ptr, t, num_experts, TOP_K, K_PAD)
     cols = c * BLOCK + tl.arange(0, BLOCK)
     in_h = cols < hidden
     row = (me * rows_per_src + t).to(tl.int64)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for d in tl.static_range(WORLD):
-        sent = tl.max((owner == d).to(tl.int32), axis=0) > 0
+        sent = _owns_any(owner, d)
         own = tl.load(y_ptr + row * stride_y + cols, mask=_only_if(sent, _only_if(d == me, in_h)), other=0.0)
         peer = tl.load(comb_ptr + (d * max_tokens + t).to(tl.int64) * hidden + cols,
                        mask=_only_if(sent, _only_if(d != me, in_h)), other=0.0)
@@ -212,6 +221,8 @@ def _open_peer_buffers(buffer: torch.Tensor, group: dist.ProcessGroup, rank: int
 
 
 class IpcDispatch:
+    graph_safe = True
+
     def __init__(self, group: dist.ProcessGroup | None, experts: ExpertMap, max_tokens_per_rank: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device | None = None,
                  uniform_tokens: bool = False):

@@ -8,6 +8,8 @@ from kernels.ep.placement import ExpertMap
 
 
 class LocalDispatch:
+    graph_safe = True
+
     def __init__(self, experts: ExpertMap):
         self.experts = experts
 

@@ -10,32 +10,24 @@ first dispatch (a collective: every rank dispatches in the same order).
 import torch
 import torch.distributed as dist
 
+from kernels.backend import require_rocm_package, rocm_package_available
 from kernels.ep.placement import ExpertMap
 
 _SHMEM_GROUP = "tandem_ep"
 
 
 def mori_available() -> bool:
-    try:
-        require_mori()
-    except ValueError:
-        return False
-    return True
+    return rocm_package_available("mori")
 
 
 def require_mori() -> None:
-    """Raise a clear error unless MoRI-EP can run here (ROCm build of torch, `mori` importable)."""
-    if torch.version.hip is None:
-        raise ValueError("the mori all2all backend needs ROCm (this torch is not a ROCm build); "
-                         "use naive, a2a or ipc")
-    try:
-        import mori  # noqa: F401
-    except ImportError as e:
-        raise ValueError(f"the mori all2all backend needs the 'mori' package (MoRI-EP, github.com/ROCm/mori), "
-                         f"which failed to import ({e}); install it or use naive, a2a or ipc") from e
+    """Raise a clear error unless MoRI-EP (github.com/ROCm/mori) can run here."""
+    require_rocm_package("mori", "the mori all2all backend", "naive, a2a or ipc")
 
 
 class MoriDispatch:
+    graph_safe = False  # not known to be capturable (untested here)
+
     def __init__(self, group: dist.ProcessGroup, experts: ExpertMap, max_tokens_per_rank: int,
                  hidden_size: int, dtype: torch.dtype):
         import mori

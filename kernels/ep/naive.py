@@ -16,6 +16,7 @@ class NaiveDispatch:
     def __init__(self, group: dist.ProcessGroup, experts: ExpertMap, uniform_tokens: bool = False):
         self.group, self.size = group, dist.get_world_size(group)
         self.experts, self.uniform = experts, uniform_tokens
+        self.graph_safe = uniform_tokens  # otherwise the counts exchange syncs with the host
 
     def _gather(self, t: torch.Tensor, max_tokens: int) -> torch.Tensor:
         if t.shape[0] == max_tokens:

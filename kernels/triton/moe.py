@@ -274,42 +274,29 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None):
     block_m = cfg["BLOCK_M"]
     meta = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], BLOCK_M=block_m,
                 BLOCK_K=cfg["BLOCK_K"], TOP_K=top_k)
-    if cfg.get("PAIRS", num_pairs <= _PAIR_BLOCKS):
-        # A block per pair (its expert read in the kernel) for both GEMMs, then the top-k sum.
-        act = torch.empty(num_pairs, inter, device=x.device, dtype=x.dtype)
-        n_tiles = triton.cdiv(inter, cfg["BLOCK_N1"])
-        _grouped_gemm_kernel[(num_pairs * n_tiles,)](
-            x, w13, act, topk_ids, topk_ids, topk_ids, topk_weights,
-            inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), n_tiles, num_experts,
-            GATHER_A=True, SCATTER_OUT=False, GATED=True, PAIRS=True, EVEN_K=hidden % cfg["BLOCK_K"] == 0,
-            BLOCK_N=cfg["BLOCK_N1"], **meta,
-        )
-        n_tiles = triton.cdiv(hidden, cfg["BLOCK_N2"])
-        pair_out = torch.empty(num_pairs, hidden, device=x.device, dtype=x.dtype)
-        _grouped_gemm_kernel[(num_pairs * n_tiles,)](
-            act, w2, pair_out, topk_ids, topk_ids, topk_ids, topk_weights,
-            hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), n_tiles, num_experts,
-            GATHER_A=False, SCATTER_OUT=True, GATED=False, PAIRS=True, EVEN_K=inter % cfg["BLOCK_K"] == 0,
-            BLOCK_N=cfg["BLOCK_N2"], **meta,
-        )
-        _sum_topk(pair_out, topk_ids, out, num_experts)
-        return out
-    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
-    sorted_pairs, block_expert, block_rows = _align(topk_ids, num_experts, block_m, max_blocks)
-    act = torch.empty(max_blocks * block_m, inter, device=x.device, dtype=x.dtype)
+    pairs = cfg.get("PAIRS", num_pairs <= _PAIR_BLOCKS)
+    if pairs:
+        # A block per pair (its expert read in the kernel): no grouping launch.
+        num_blocks, act_rows = num_pairs, num_pairs
+        sorted_pairs = block_expert = block_rows = topk_ids
+    else:
+        num_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+        sorted_pairs, block_expert, block_rows = _align(topk_ids, num_experts, block_m, num_blocks)
+        act_rows = num_blocks * block_m
+    act = torch.empty(act_rows, inter, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(inter, cfg["BLOCK_N1"])
-    _grouped_gemm_kernel[(max_blocks * n_tiles,)](
+    _grouped_gemm_kernel[(num_blocks * n_tiles,)](
         x, w13, act, sorted_pairs, block_expert, block_rows, topk_weights,
         inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), n_tiles, num_experts,
-        GATHER_A=True, SCATTER_OUT=False, GATED=True, PAIRS=False, EVEN_K=hidden % cfg["BLOCK_K"] == 0,
+        GATHER_A=True, SCATTER_OUT=False, GATED=True, PAIRS=pairs, EVEN_K=hidden % cfg["BLOCK_K"] == 0,
         BLOCK_N=cfg["BLOCK_N1"], **meta,
     )
     pair_out = torch.empty(num_pairs, hidden, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(hidden, cfg["BLOCK_N2"])
-    _grouped_gemm_kernel[(max_blocks * n_tiles,)](
+    _grouped_gemm_kernel[(num_blocks * n_tiles,)](
         act, w2, pair_out, sorted_pairs, block_expert, block_rows, topk_weights,
         hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), n_tiles, num_experts,
-        GATHER_A=False, SCATTER_OUT=True, GATED=False, PAIRS=False, EVEN_K=inter % cfg["BLOCK_K"] == 0,
+        GATHER_A=False, SCATTER_OUT=True, GATED=False, PAIRS=pairs, EVEN_K=inter % cfg["BLOCK_K"] == 0,
         BLOCK_N=cfg["BLOCK_N2"], **meta,
     )
     _sum_topk(pair_out, topk_ids, out, num_experts)

@@ -7,17 +7,11 @@ import torch.multiprocessing as mp
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from tests.engine.test_tensor_parallel import assert_same_generation
 from tests.ports import free_port
 
 PROMPTS = [[3, 17, 29], list(range(40, 75)), [9] * 11, [5, 6]]
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
-
-
-def _assert_same(out, ref):
-    assert out.token_ids == ref.token_ids
-    got = torch.tensor([lp.logprobs for lp in out.logprobs])
-    want = torch.tensor([lp.logprobs for lp in ref.logprobs])
-    assert torch.allclose(got, want, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch,placement", [("qwen3_moe", "linear"), ("mixtral", "round_robin")])
@@ -33,7 +27,7 @@ def test_expert_parallel_over_tp_ranks(tiny_models, arch, placement):
     finally:
         llm.engine.shutdown()
     for o, r in zip(out, ref):
-        _assert_same(o, r)
+        assert_same_generation(o, r)
 
 
 def _dp_rank(rank: int, kwargs: dict, prompts: list[list[int]], results) -> None:

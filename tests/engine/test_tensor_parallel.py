@@ -11,6 +11,14 @@ PROMPTS = [[3, 17, 29], list(range(40, 75)), [9] * 11]
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
 
 
+def assert_same_generation(out, ref, atol: float = 1e-4) -> None:
+    """Same greedy tokens, and top logprobs within atol."""
+    assert out.token_ids == ref.token_ids
+    got = torch.tensor([lp.logprobs for lp in out.logprobs])
+    want = torch.tensor([lp.logprobs for lp in ref.logprobs])
+    assert torch.allclose(got, want, atol=atol)
+
+
 @pytest.mark.parametrize("arch,tp", [("llama", 2), ("qwen2", 2), ("qwen3_moe", 2), ("mixtral", 2), ("llama", 4)])
 def test_tensor_parallel_matches_single_process(tiny_models, arch, tp):
     path = tiny_models[arch][0]
@@ -21,7 +29,4 @@ def test_tensor_parallel_matches_single_process(tiny_models, arch, tp):
     finally:
         llm.engine.shutdown()
     for r, o in zip(ref, out):
-        assert o.token_ids == r.token_ids
-        got = torch.tensor([lp.logprobs for lp in o.logprobs])
-        want = torch.tensor([lp.logprobs for lp in r.logprobs])
-        assert torch.allclose(got, want, atol=1e-4)
+        assert_same_generation(o, r)
