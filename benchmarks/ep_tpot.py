@@ -5,6 +5,10 @@ Each of the N GPUs runs one data-parallel engine (--data-parallel-size N
 Every rank decodes `batch` sequences of ~`context` tokens; TPOT is the median wall time of a
 lockstep decode step (all ranks), with dummy weights of a Hugging Face-shaped config.
 
+Floor: the bytes one rank reads per step (its non-expert weights, its KV, and its share of the
+distinct experts the step's N * batch tokens pick, expected under uniform top-k routing) over
+the device-to-device copy bandwidth measured by that rank in the same run.
+
   python -m benchmarks.ep_tpot --backends ipc a2a naive --batch 1 32 --out tpot.json
 """
 import argparse
@@ -17,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from benchmarks.roofline import MODELS, time_decode
+from benchmarks.roofline import MODELS, copy_bandwidth, kv_bytes, param_bytes, time_decode
 
 
 def _rank(rank: int, world: int, model_dir: str, backend: str, batches: list[int], context: int, steps: int,
@@ -31,10 +35,22 @@ def _rank(rank: int, world: int, model_dir: str, backend: str, batches: list[int
         enable_expert_parallel=True, all2all_backend=backend, master_port=port, max_model_len=4096,
         max_num_seqs=max(batches), max_num_batched_tokens=2048, cuda_graph_sizes=tuple(sorted(set(batches))),
         gpu_memory_utilization=0.85)
+    torch.cuda.set_device(rank)
+    bw = copy_bandwidth()
     core = EngineCore(config, dp_rank=rank)
-    out = {batch: time_decode(core, batch, context, steps) for batch in batches}
+    hf = MODELS[Path(model_dir).name]
+    out = {}
+    for batch in batches:
+        experts = expected_distinct_experts(hf["num_experts"], hf["num_experts_per_tok"], world * batch) / world
+        floor = (param_bytes(core.runner, experts) + kv_bytes(core.runner, batch, context)) / bw
+        out[batch] = (time_decode(core, batch, context, steps), floor)
     results[(backend, rank)] = out
     core.shutdown()
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts that `tokens` tokens pick when each picks top_k of num_experts uniformly."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
 
 
 def _run_backend(backend: str, args, model_dir: str, port: int, results) -> bool:
@@ -88,15 +104,17 @@ def main() -> None:
         if not _run_backend(backend, args, str(d), free_port(), results):
             continue
         for batch in args.batch:
-            tpot = max(results[(backend, r)][batch] for r in range(args.gpus))
-            rows.append(dict(backend=backend, ep=args.gpus, batch_per_rank=batch, tpot_ms=tpot * 1e3))
+            tpot = max(results[(backend, r)][batch][0] for r in range(args.gpus))
+            floor = max(results[(backend, r)][batch][1] for r in range(args.gpus))
+            rows.append(dict(backend=backend, ep=args.gpus, batch_per_rank=batch, tpot_ms=tpot * 1e3,
+                             floor_ms=floor * 1e3, of_floor=floor / tpot))
             print("measured:", rows[-1], f"({time.time() - t0:.0f} s with start-up)", flush=True)
     base = {r["batch_per_rank"]: r["tpot_ms"] for r in rows if r["backend"] == "naive"}
-    print(f"{'backend':<8} {'EP':>3} {'batch/rank':>10} {'TPOT ms':>8} {'vs naive':>9}")
+    print(f"{'backend':<8} {'EP':>3} {'batch/rank':>10} {'TPOT ms':>8} {'floor ms':>9} {'of floor':>9} {'vs naive':>9}")
     for r in rows:
         r["speedup_vs_naive"] = base.get(r["batch_per_rank"], float("nan")) / r["tpot_ms"]
-        print(f"{r['backend']:<8} {r['ep']:>3} {r['batch_per_rank']:>10} {r['tpot_ms']:>8.2f} "
-              f"{r['speedup_vs_naive']:>8.2f}x")
+        print(f"{r['backend']:<8} {r['ep']:>3} {r['batch_per_rank']:>10} {r['tpot_ms']:>8.2f} {r['floor_ms']:>9.2f} "
+              f"{r['of_floor']:>9.0%} {r['speedup_vs_naive']:>8.2f}x")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), gpus=args.gpus,
                                                   date=time.strftime("%Y-%m-%d"), model=args.model,

@@ -278,8 +278,8 @@ def main() -> None:
     while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
         core.step()
     moe = "moe" in MODELS[args.model]["model_type"]
-    wbytes = param_bytes(llm, MODELS[args.model]["num_experts_per_tok"] if moe else None)
-    floor_us = (wbytes + kv_bytes(llm, args.batch, args.context)) / bw * 1e6
+    wbytes = param_bytes(llm.engine.runner, MODELS[args.model]["num_experts_per_tok"] if moe else None)
+    floor_us = (wbytes + kv_bytes(llm.engine.runner, args.batch, args.context)) / bw * 1e6
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s; {args.model} b={args.batch} "
           f"ctx={args.context}: {wbytes / 1e9:.2f} GB of weights per step, floor {floor_us:.0f} us")
     results = []

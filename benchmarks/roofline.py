@@ -42,6 +42,7 @@ def copy_bandwidth() -> float:
         b.copy_(a)
     torch.cuda.synchronize()
     del a, b
+    torch.cuda.empty_cache()  # the 8 GiB must not count as used when the engine sizes its KV cache
     return 2 * 10 * 2**32 / (time.perf_counter() - t)
 
 
@@ -67,12 +68,12 @@ def build(name: str, **kw):
     return LLM(str(d), load_format="dummy", dtype="bfloat16", **kw)
 
 
-def param_bytes(llm, active_experts: int | None = None) -> int:
-    """Bytes of weights one decode step reads: all but the embedding (a gather of a few rows)
-    for dense; for MoE, the non-expert weights plus `active_experts` experts per layer (the
-    top-k of one token at batch 1)."""
+def param_bytes(runner, active_experts: float | None = None) -> float:
+    """Bytes of weights one decode step of ModelRunner `runner` reads: all but the embedding (a
+    gather of a few rows) for dense; for MoE, the non-expert weights plus `active_experts`
+    experts per layer (the top-k of one token at batch 1)."""
     total = 0
-    for name, p in llm.engine.runner.model.named_parameters():
+    for name, p in runner.model.named_parameters():
         if active_experts is not None and name.endswith((".w13", ".w2")):
             total += p.numel() // p.shape[0] * active_experts * p.element_size()
         elif "embed_tokens" not in name:
@@ -128,9 +129,8 @@ def time_prefill(llm, tokens: int) -> float:
     return best
 
 
-def kv_bytes(llm, batch: int, context: int) -> int:
-    r = llm.engine.runner
-    return r.kv_bytes_per_block() * batch * -(-context // r.block_size)
+def kv_bytes(runner, batch: int, context: int) -> int:
+    return runner.kv_bytes_per_block() * batch * -(-context // runner.block_size)
 
 
 def main() -> None:
@@ -151,9 +151,9 @@ def main() -> None:
                     gpu_memory_utilization=0.92)
         for batch in ([1] if moe else [1, 64]):
             t = time_decode(llm.engine, batch, args.context)
-            wbytes = param_bytes(llm, MODELS[name]["num_experts_per_tok"] if moe else None)
+            wbytes = param_bytes(llm.engine.runner, MODELS[name]["num_experts_per_tok"] if moe else None)
             # bw counts bytes read + written, which is what HBM moves per second either way.
-            floor = (wbytes + kv_bytes(llm, batch, args.context)) / bw
+            floor = (wbytes + kv_bytes(llm.engine.runner, batch, args.context)) / bw
             rows.append(dict(model=name, what=f"decode b={batch} ctx={args.context}", ms=t * 1e3,
                              floor_ms=floor * 1e3, of_floor=floor / t))
             print("measured:", rows[-1], flush=True)

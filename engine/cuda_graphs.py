@@ -58,6 +58,14 @@ class DecodeGraphs:
         logger.info("captured CUDA graphs for decode batch sizes %s%s", self.sizes,
                     " (decoder and LM head)" if self.with_logits else "")
 
+    def release(self) -> None:
+        """Free the graphs now rather than whenever the last reference goes: a graph that
+        captured NCCL work must be gone before its communicator is torn down."""
+        torch.cuda.synchronize()
+        for graph, _, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     def padded_size(self, num_seqs: int) -> int | None:
         return next((s for s in self.sizes if s >= num_seqs), None)
 

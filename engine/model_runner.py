@@ -177,6 +177,7 @@ class ModelRunner:
     def close(self) -> None:
         """Drop the CUDA graphs (and the collectives captured in them)."""
         if self.graphs is not None:
+            self.graphs.release()
             self.graphs = None
             gc.collect()
             torch.cuda.synchronize(self.device)

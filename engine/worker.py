@@ -92,11 +92,11 @@ _NCCL_TEARDOWN_S = 20.0
 
 
 def leave_distributed() -> None:
-    """Leave the process groups (the caller dropped its CUDA graphs first: captured NCCL work
-    is the suspected reason an abort can hang). NCCL groups are aborted, gloo ones destroyed.
-    On 2x H200 the abort still hung for TP=2 with NCCL captured in decode graphs (not yet
-    re-run with the graphs dropped), so it runs on a thread with a deadline: past it, the
-    process logs and carries on (it is exiting anyway) instead of hanging its parent."""
+    """Leave the process groups. NCCL groups are aborted, gloo ones destroyed. The caller must
+    have released its CUDA graphs first (ModelRunner.close): aborting a communicator whose work
+    is still captured in a live graph hung rank 0 on 2x H200. The abort runs on a thread with a
+    deadline as a guard: past it, the process logs and carries on (it is exiting anyway)
+    instead of hanging its parent."""
     init_tensor_parallel(None)
     init_expert_parallel(None)
     if not dist.is_initialized():

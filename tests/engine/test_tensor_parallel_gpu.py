@@ -8,12 +8,7 @@ from engine import LLM, SamplingParams
 from tests.engine.test_gpu import PROMPTS, _hf_logprobs
 from tests.engine.test_tensor_parallel import free_port
 
-# Known bug (issue 6): on 2x H200 TP=2 generates correctly (eager and CUDA graphs, LM head in the
-# graph), but rank 0's NCCL abort at shutdown hangs (2026-11-23, twice). Lockstep DP engines whose
-# graphs hold no NCCL work shut down cleanly, so captured NCCL work is the suspect; shutdown now
-# drops the graphs first and bounds the abort, not yet re-run on GPUs.
-TEARDOWN_BUG = pytest.mark.skip(reason="issue 6: NCCL abort at TP shutdown hangs (fix not yet re-run on GPUs)")
-pytestmark = [pytest.mark.gpu, TEARDOWN_BUG]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
