@@ -7,6 +7,7 @@ Shapes: Llama-3-8B (hidden 4096, 32/8 heads, head_dim 128, block 16) and Qwen3-3
 (hidden 2048, 128 experts, top-8, intermediate 768). Usage: python benchmarks/kernels.py [--out F]
 """
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -247,9 +248,8 @@ def bench_moe():
         print(f"moe T={T}: triton eager {t_eager * 1e3:.1f} us (graph {t * 1e3:.1f} us)")
 
 
-def sweep():
-    """Variants of the prefill attention kernel (tiles, grid order, 32-bit offsets), of the MoE
-    decode path (grouped vs. a block per pair, tiles), and where MoE time goes."""
+def sweep_attention():
+    """Variants of the prefill attention kernel (tiles, grid order, 32-bit offsets)."""
     ctx = 4096
     q, kc, vc, bt, sl, qsl = paged_setup(1, ctx, ctx)
     qs = q.view(1, ctx, HQ, D).transpose(1, 2)
@@ -268,6 +268,11 @@ def sweep():
             print(f"sweep prefill 4k {plan}: {t * 1e3:.1f} us {tf:.0f} TFLOP/s {t_sdpa / t:.2f}x sdpa")
         except Exception as e:  # out of shared memory etc.
             print(f"sweep prefill 4k {plan}: failed {str(e).splitlines()[0][:60]}")
+
+
+def sweep_moe():
+    """Variants of the MoE decode path (grouped vs. a block per pair; each GEMM's tiles apart)
+    and where MoE time goes."""
     E, k, H, inter = 128, 8, 2048, 768
     w13 = torch.randn(E, 2 * inter, H, device=DEV, dtype=BF16) / math.sqrt(H)
     w2 = torch.randn(E, H, inter, device=DEV, dtype=BF16) / math.sqrt(inter)
@@ -277,10 +282,24 @@ def sweep():
         grouped = dict(BLOCK_M=16, BLOCK_N1=64, BLOCK_N2=64, BLOCK_K=128, num_warps=4, num_stages=4, PAIRS=False)
         t = bench(lambda: _fused_experts(x, w13, w2, weights, ids, cfg=grouped))
         print(f"sweep moe T={T} grouped (previous path): {t * 1e3:.1f} us")
-        for bn1, bn2, bk, st in [(16, 64, 128, 4), (16, 32, 256, 4), (32, 64, 128, 4), (16, 64, 256, 3)]:
-            cfg = dict(BLOCK_M=16, BLOCK_N1=bn1, BLOCK_N2=bn2, BLOCK_K=bk, num_warps=4, num_stages=st, PAIRS=True)
-            t = bench(lambda: _fused_experts(x, w13, w2, weights, ids, cfg=cfg))
-            print(f"sweep moe T={T} pairs {cfg}: {t * 1e3:.1f} us")
+        base = dict(BLOCK_M=16, BLOCK_N1=16, BLOCK_N2=64, BLOCK_K=128, num_warps=4, num_stages=4, PAIRS=True)
+        best = {}
+        for i, grid in ((1, itertools.product((16, 32), (64, 128, 256), (3, 4, 6), (2, 4))),
+                        (2, itertools.product((32, 64, 128), (64, 128, 256), (2, 3, 4), (2, 4)))):
+            for bn, bk, st, w in grid:  # one GEMM's tiles varied, the other's kept at base
+                cfg = dict(base, **{f"BLOCK_N{i}": bn, f"BLOCK_K{i}": bk, f"num_stages{i}": st, f"num_warps{i}": w})
+                try:
+                    t = bench(lambda: _fused_experts(x, w13, w2, weights, ids, cfg=cfg))
+                except Exception as e:  # out of shared memory etc.
+                    print(f"sweep moe T={T} gemm{i} {cfg}: failed {str(e).splitlines()[0][:60]}")
+                    continue
+                print(f"sweep moe T={T} gemm{i} {cfg}: {t * 1e3:.1f} us")
+                if i not in best or t < best[i][1]:
+                    best[i] = (cfg, t)
+        both = dict(base, **{k: v for i in best for k, v in best[i][0].items() if k.endswith(str(i))})
+        t = bench(lambda: _fused_experts(x, w13, w2, weights, ids, cfg=both))
+        print(f"sweep moe T={T} best-both {both}: {t * 1e3:.1f} us (base "
+              f"{bench(lambda: _fused_experts(x, w13, w2, weights, ids, cfg=base)) * 1e3:.1f} us)")
     for T in (1, 4096):
         x = torch.randn(T, H, device=DEV, dtype=BF16)
         weights, ids = topk_routing(torch.randn(T, E, device=DEV), k, renormalize=True)
@@ -294,6 +313,10 @@ def sweep():
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=40))
 
 
+SECTIONS = dict(attention=bench_attention, store=bench_store_kvcache, norm=bench_norms, rotary=bench_rotary,
+                rotary_store=bench_rotary_store, routing=bench_routing, silu=bench_silu, moe=bench_moe)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/out/kernels.json")
@@ -302,15 +325,15 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="time tile-shape variants first")
     args = parser.parse_args()
     torch.manual_seed(0)
+    only = args.only.split(",") if args.only else list(SECTIONS)
     if args.sweep:
-        sweep()
+        for name, fn in dict(attention=sweep_attention, moe=sweep_moe).items():
+            if name in only:
+                fn()
     gbps, tflops = ceilings()
     print(f"device {torch.cuda.get_device_name()}: copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s")
-    benches = dict(attention=bench_attention, store=bench_store_kvcache, norm=bench_norms,
-                   rotary=bench_rotary, rotary_store=bench_rotary_store, routing=bench_routing,
-                   silu=bench_silu, moe=bench_moe)
-    for name, fn in benches.items():
-        if not args.only or name in args.only.split(","):
+    for name, fn in SECTIONS.items():
+        if name in only:
             try:
                 fn()
             except Exception:  # report and go on: one broken section must not hide the others

@@ -233,8 +233,9 @@ def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     """Tile shapes by rows per expert: tiny blocks and deep K tiles when memory-bound (decode)."""
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
     if num_pairs <= _PAIR_BLOCKS:
-        # narrow first-GEMM tiles: enough programs to keep every SM streaming an expert's rows
-        cfg = dict(BLOCK_M=16, BLOCK_N1=16, BLOCK_N2=64, BLOCK_K=128, num_warps=4, num_stages=4)
+        # narrow tiles, 2 warps: enough programs to keep every SM streaming an expert's rows
+        # (H100 sweep, benchmarks/notes_kernels.md: 45.6 vs 46.4 us at 1 token, 66.0 vs 70.9 at 2)
+        cfg = dict(BLOCK_M=16, BLOCK_N1=16, BLOCK_N2=32, BLOCK_K=128, num_warps=2, num_stages=3)
     elif rows_per_expert <= 16:
         cfg = dict(BLOCK_M=16, BLOCK_N1=64, BLOCK_N2=64, BLOCK_K=128, num_warps=4, num_stages=4)
     elif rows_per_expert <= 64:
@@ -272,8 +273,11 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None):
     topk_weights = topk_weights.contiguous()
     cfg = cfg or _config(num_pairs, num_experts, x.dtype)
     block_m = cfg["BLOCK_M"]
-    meta = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], BLOCK_M=block_m,
-                BLOCK_K=cfg["BLOCK_K"], TOP_K=top_k)
+
+    def meta(i: int) -> dict:  # the two GEMMs may be tuned apart: BLOCK_K2, num_warps2, ... override
+        return dict(BLOCK_M=block_m, TOP_K=top_k, BLOCK_N=cfg[f"BLOCK_N{i}"],
+                    **{key: cfg.get(f"{key}{i}", cfg[key]) for key in ("BLOCK_K", "num_warps", "num_stages")})
+
     pairs = cfg.get("PAIRS", num_pairs <= _PAIR_BLOCKS)
     if pairs:
         # A block per pair (its expert read in the kernel): no grouping launch.
@@ -288,16 +292,16 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None):
     _grouped_gemm_kernel[(num_blocks * n_tiles,)](
         x, w13, act, sorted_pairs, block_expert, block_rows, topk_weights,
         inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), n_tiles, num_experts,
-        GATHER_A=True, SCATTER_OUT=False, GATED=True, PAIRS=pairs, EVEN_K=hidden % cfg["BLOCK_K"] == 0,
-        BLOCK_N=cfg["BLOCK_N1"], **meta,
+        GATHER_A=True, SCATTER_OUT=False, GATED=True, PAIRS=pairs, EVEN_K=hidden % meta(1)["BLOCK_K"] == 0,
+        **meta(1),
     )
     pair_out = torch.empty(num_pairs, hidden, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(hidden, cfg["BLOCK_N2"])
     _grouped_gemm_kernel[(num_blocks * n_tiles,)](
         act, w2, pair_out, sorted_pairs, block_expert, block_rows, topk_weights,
         hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), n_tiles, num_experts,
-        GATHER_A=False, SCATTER_OUT=True, GATED=False, PAIRS=pairs, EVEN_K=inter % cfg["BLOCK_K"] == 0,
-        BLOCK_N=cfg["BLOCK_N2"], **meta,
+        GATHER_A=False, SCATTER_OUT=True, GATED=False, PAIRS=pairs, EVEN_K=inter % meta(2)["BLOCK_K"] == 0,
+        **meta(2),
     )
     _sum_topk(pair_out, topk_ids, out, num_experts)
     return out
