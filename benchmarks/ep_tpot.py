@@ -43,7 +43,7 @@ def _rank(rank: int, world: int, model_dir: str, backend: str, batches: list[int
     for batch in batches:
         experts = expected_distinct_experts(hf["num_experts"], hf["num_experts_per_tok"], world * batch) / world
         floor = (param_bytes(core.runner, experts) + kv_bytes(core.runner, batch, context)) / bw
-        out[batch] = (time_decode(core, batch, context, steps), floor)
+        out[batch] = (time_decode(core, batch, context, steps), floor, bw)
     results[(backend, rank)] = out
     core.shutdown()
 
@@ -106,8 +106,9 @@ def main() -> None:
         for batch in args.batch:
             tpot = max(results[(backend, r)][batch][0] for r in range(args.gpus))
             floor = max(results[(backend, r)][batch][1] for r in range(args.gpus))
+            bw = min(results[(backend, r)][batch][2] for r in range(args.gpus))
             rows.append(dict(backend=backend, ep=args.gpus, batch_per_rank=batch, tpot_ms=tpot * 1e3,
-                             floor_ms=floor * 1e3, of_floor=floor / tpot))
+                             floor_ms=floor * 1e3, of_floor=floor / tpot, copy_gbps=bw / 1e9))
             print("measured:", rows[-1], f"({time.time() - t0:.0f} s with start-up)", flush=True)
     base = {r["batch_per_rank"]: r["tpot_ms"] for r in rows if r["backend"] == "naive"}
     print(f"{'backend':<8} {'EP':>3} {'batch/rank':>10} {'TPOT ms':>8} {'floor ms':>9} {'of floor':>9} {'vs naive':>9}")
