@@ -270,6 +270,28 @@ def sweep_attention():
             print(f"sweep prefill 4k {plan}: failed {str(e).splitlines()[0][:60]}")
 
 
+def sweep_decode_attention():
+    """Decode launch plans as a CUDA graph runs them: max_seq_len = max_model_len (8192), so the
+    split count is fixed for the longest context and the keys per split adapt at run time."""
+    from kernels.triton.attention import _launch_plans
+    for batch, ctx in [(1, 1024), (1, 4096), (8, 1024), (64, 1024)]:
+        q, kc, vc, bt, sl, qsl = paged_setup(batch, ctx, 1)
+        default = _launch_plans(q, HQ // HK, batch, HK, 1, 8192)[0]
+        t = bench(lambda: paged_attention_triton(q, kc, vc, bt, sl, qsl, D**-0.5, 1, 8192))
+        print(f"sweep decode B={batch} ctx={ctx} default {default}: {t * 1e3:.1f} us")
+        for bn, splits, w, st in itertools.product((32, 64, 128), (16, 32, 64), (2, 4), (2, 3)):
+            if splits > default["NUM_SPLITS"] * 2:
+                continue
+            plan = dict(default, BLOCK_N=bn, NUM_SPLITS=splits, num_warps=w, num_stages=st)
+            plan.pop("Q_RANGE")
+            try:
+                t = bench(lambda: _paged_attention(q, kc, vc, bt, sl, qsl, D**-0.5, 1, 8192, plan=plan))
+            except Exception as e:  # out of shared memory etc.
+                print(f"sweep decode B={batch} ctx={ctx} {plan}: failed {str(e).splitlines()[0][:60]}")
+                continue
+            print(f"sweep decode B={batch} ctx={ctx} {plan}: {t * 1e3:.1f} us")
+
+
 def sweep_moe():
     """Variants of the MoE decode path (grouped vs. a block per pair; each GEMM's tiles apart)
     and where MoE time goes."""
@@ -321,13 +343,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/out/kernels.json")
     parser.add_argument("--only", default="",
-                        help="comma-separated: attention,store,norm,rotary,rotary_store,routing,silu,moe")
+                        help="comma-separated: attention,store,norm,rotary,rotary_store,routing,silu,moe "
+                             "(and decode: a --sweep of decode attention plans only)")
     parser.add_argument("--sweep", action="store_true", help="time tile-shape variants first")
     args = parser.parse_args()
     torch.manual_seed(0)
     only = args.only.split(",") if args.only else list(SECTIONS)
     if args.sweep:
-        for name, fn in dict(attention=sweep_attention, moe=sweep_moe).items():
+        for name, fn in dict(attention=sweep_attention, decode=sweep_decode_attention, moe=sweep_moe).items():
             if name in only:
                 fn()
     gbps, tflops = ceilings()

@@ -87,14 +87,23 @@ def param_bytes(runner, active_experts: float | None = None) -> float:
 
 
 def step_times(core, steps: int) -> list[float]:
-    """Seconds of each of `steps` engine steps, GPU work included."""
+    """Seconds of each of `steps` engine steps, GPU work included. With --async-scheduling a
+    step leaves the next one running on the GPU by design, so there the steps are timed back
+    to back (each waits for the one before it): the period of the steady state."""
     times = []
+    overlap = core.config.scheduler.async_scheduling
+    torch.cuda.synchronize()
+    t = time.perf_counter()
     for _ in range(steps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
+        if not overlap:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
         core.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+        if not overlap:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        times.append(now - t)
+        t = now
     return times
 
 
@@ -143,6 +152,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(MODELS),
                     help="run one model per process on an 80 GB GPU: a finished model's memory is not all returned")
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--async-scheduling", action="store_true", help="run the engine with --async-scheduling")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -153,13 +163,14 @@ def main() -> None:
     for name in args.models:
         moe = "moe" in MODELS[name]["model_type"]
         llm = build(name, max_num_batched_tokens=4096, max_num_seqs=64, max_model_len=8192,
-                    gpu_memory_utilization=0.92)
+                    gpu_memory_utilization=0.92, async_scheduling=args.async_scheduling)
         for batch in ([1] if moe else [1, 64]):
             t = time_decode(llm.engine, batch, args.context)
             wbytes = param_bytes(llm.engine.runner, MODELS[name]["num_experts_per_tok"] if moe else None)
             # bw counts bytes read + written, which is what HBM moves per second either way.
             floor = (wbytes + kv_bytes(llm.engine.runner, batch, args.context)) / bw
-            rows.append(dict(model=name, what=f"decode b={batch} ctx={args.context}", ms=t * 1e3,
+            what = f"decode b={batch} ctx={args.context}" + (" async" if args.async_scheduling else "")
+            rows.append(dict(model=name, what=what, ms=t * 1e3,
                              floor_ms=floor * 1e3, of_floor=floor / t))
             print("measured:", rows[-1], flush=True)
         if not moe:

@@ -39,6 +39,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
+    # Launch a decode step before the previous step's tokens reach the host (see EngineCore.step)
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,21 @@ import torch.distributed as dist
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.loader import eos_token_ids, load_hf_config
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, PendingStep
 from engine.protocol import EngineRequest, RequestOutput, SchedulerStats
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.worker import (Workers, broadcast_step, data_parallel_device, init_data_parallel, init_distributed,
                            leave_distributed, local_device)
 
 logger = logging.getLogger(__name__)
+
+
+def _async_safe(req: Request) -> bool:
+    """Can req's step be launched and its token read later? (Logprobs and penalties need the
+    host while sampling.)"""
+    p = req.params
+    return p.logprobs is None and p.prompt_logprobs is None and not p.needs_penalties
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
@@ -33,6 +40,13 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, dp_rank: int = 0):
         config.parallel.validate(config.kv_transfer.enabled)
+        if config.scheduler.async_scheduling:
+            unsupported = [msg for bad, msg in [
+                (config.parallel.tensor_parallel_size > 1, "--tensor-parallel-size > 1"),
+                (config.parallel.data_parallel_size > 1, "--data-parallel-size > 1"),
+                (config.kv_transfer.enabled, "PD disaggregation (--kv-transfer-config)")] if bad]
+            if unsupported:
+                raise ValueError(f"--async-scheduling with {unsupported[0]} is not supported yet")
         self.config = config
         self.dp_rank, self.dp_size = dp_rank, config.parallel.data_parallel_size
         self._dp_group = None  # gloo group of the lockstep DP ranks (expert parallel only)
@@ -63,6 +77,7 @@ class EngineCore:
                                    config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, self.eos_token_ids)
         self.connector = None
+        self._inflight: PendingStep | None = None  # --async-scheduling: the step on the GPU now
         if config.kv_transfer.enabled:
             from connectors import build_connector
             self.set_connector(build_connector(config.kv_transfer, self.runner))
@@ -102,6 +117,8 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def step(self) -> list[RequestOutput]:
+        if self.config.scheduler.async_scheduling:
+            return self._step_async()
         out = self.scheduler.schedule()
         sampled, prompt_logprobs = {}, {}
         if self._dp_group is not None:
@@ -113,6 +130,53 @@ class EngineCore:
         if not out.scheduled and not outputs and self._dp_group is None:
             time.sleep(0.001)  # only KV transfers in flight: poll them without spinning a core
         return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """--async-scheduling: keep the GPU busy while the host finishes the step before.
+
+        A step is launched and its tokens are read one call later. When the step in flight is
+        a plain decode of every running request (and nothing else could be scheduled), the next
+        decode step is launched first, its input tokens read on the device, and only then are
+        the in-flight tokens brought to the host and applied: the host's scheduling, input
+        preparation, output handling and launch overlap the GPU's work. A request that stops
+        on the in-flight token (EOS, a stop token) has one wasted step computed, whose token is
+        dropped; its blocks are freed by then but stream order keeps their next owner's writes
+        after it. Outputs are those of the synchronous engine, one call later. (The wasted step
+        runs a batch one larger than the synchronous engine would; on a GPU a different GEMM
+        shape may round differently, as any change of batch composition may.)"""
+        prev, self._inflight = self._inflight, None
+        if prev is not None and self._continues(prev):
+            out = SchedulerOutput([(req, 1) for req, _ in prev.out.scheduled])
+            self._inflight = self.runner.launch(out, self.eos_token_ids, prev)
+            return self.scheduler.update(prev.out, self.runner.collect(prev), {})
+        outputs = self.scheduler.update(prev.out, self.runner.collect(prev), {}) if prev is not None else []
+        out = self.scheduler.schedule()
+        if out.scheduled and all(_async_safe(req) for req, _ in out.scheduled):
+            self._inflight = self.runner.launch(out, self.eos_token_ids)
+            return outputs + self.scheduler.update(SchedulerOutput(), {}, {})  # aborts etc. now
+        sampled, prompt_logprobs = {}, {}
+        if out.scheduled:
+            sampled, prompt_logprobs = self.runner.execute(out, self.eos_token_ids)
+        return outputs + self.scheduler.update(out, sampled, prompt_logprobs)
+
+    def _continues(self, prev: PendingStep) -> bool:
+        """May the next decode step of prev's requests launch before prev's tokens are known?
+        Only if it is exactly what the scheduler would pick (all running requests, one token
+        each, nobody waiting to get in), no request ends by length on prev's token (that one
+        is known now) or still needs min_tokens masking (counted on the host), and each
+        request gets the block for one more token."""
+        s = self.scheduler
+        reqs = [req for req, _ in prev.out.scheduled]
+        if (len(reqs) != len(s.running) or (s.waiting and len(s.running) < s.config.max_num_seqs)
+                or len(reqs) > s.config.max_num_batched_tokens):
+            return False
+        for req, n in prev.out.scheduled:
+            if (n != 1 or req.status != RequestStatus.RUNNING or req.num_computed_tokens + 1 != req.num_tokens
+                    or req.num_output_tokens + 1 >= req.max_tokens or req.num_tokens + 1 >= self.max_model_len
+                    or req.num_output_tokens + 1 < req.params.min_tokens or not _async_safe(req)):
+                return False
+        # blocks for the in-flight token and the next one (a failed allocation changes nothing)
+        return all(self.blocks.allocate(req, 2) for req in reqs)
 
     def _lockstep_execute(self, out: SchedulerOutput):
         """Expert parallelism over DP ranks: every MoE layer is a collective over the ranks, so
@@ -144,7 +208,7 @@ class EngineCore:
         padding-only batches) while any rank has work."""
         if self._dp_group is not None:
             return self._dp_busy
-        return self._has_local_work()
+        return self._inflight is not None or self._has_local_work()
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -73,12 +73,15 @@ class DecodeGraphs:
             block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """CPU tensors for n decode tokens (one per sequence) -> (hidden states [n, hidden],
         logits [n, vocab] float32, or None when captured without the LM head). Both are the
-        graph's own buffers: valid until the next replay."""
+        graph's own buffers: valid until the next replay. input_ids may be on the device
+        (the previous step's sampled tokens, --async-scheduling)."""
         n = input_ids.shape[0]
         size = self.padded_size(n)
         graph, hidden, logits = self.graphs[size]
         pad = size - n
-        tokens = torch.stack([input_ids, positions, slot_mapping.to(torch.long)])
+        ids_on_device = input_ids.device != positions.device
+        host_ids = torch.zeros_like(positions) if ids_on_device else input_ids
+        tokens = torch.stack([host_ids, positions, slot_mapping.to(torch.long)])
         seq_lens = seq_lens.to(torch.int32)
         block_tables = block_tables.to(torch.int32)
         if pad:
@@ -88,5 +91,7 @@ class DecodeGraphs:
         self.tokens[:, :size].copy_(tokens, non_blocking=True)
         self.seq_lens[:size].copy_(seq_lens, non_blocking=True)
         self.block_tables[:size, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        if ids_on_device:
+            self.input_ids[:n].copy_(input_ids)
         graph.replay()
         return hidden[:n], None if logits is None else logits[:n]

@@ -105,6 +105,10 @@ class ModelRunner:
             t = torch.tensor([num], device=self.device if self.device.type == "cuda" else "cpu")
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
             num = int(t.item())
+        if num <= 0:
+            raise ValueError(f"no memory is left for the KV cache (budget {budget / 2**30:.2f} GiB; on a GPU, what "
+                             f"the weights, a forward pass and other users of the device, e.g. another engine, "
+                             f"leave): raise --gpu-memory-utilization / --kv-cache-memory-bytes or free the device")
         if num * self.block_size < self.max_model_len:
             raise ValueError(f"the KV cache holds {num * self.block_size} tokens, fewer than max_model_len="
                              f"{self.max_model_len}: raise --gpu-memory-utilization / --kv-cache-memory-bytes "
@@ -184,25 +188,26 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------
 
-    def prepare(self, out: SchedulerOutput, pad_to: int = 0) -> tuple["StepInputs", list, list]:
+    def prepare(self, out: SchedulerOutput, pad_to: int = 0, ahead: int = 0) -> tuple["StepInputs", list, list]:
         """Flatten the scheduled requests into one batch. Returns the inputs (what every TP rank
         needs), the requests due a sampled token and the prompt-logprob spans, whose logits rows
         follow the sampled ones: (request, first target index, count). pad_to: append one-token
         padding sequences (slot -1: nothing stored; they attend to one slot of block 0) until
-        the batch has that many tokens."""
+        the batch has that many tokens. ahead: the requests are that many tokens further on
+        than the host knows (their tokens are still on the device; input ids are left 0)."""
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
         sample_rows, sample_reqs, prompt_rows, prompt_spans = [], [], [], []
         for req, n in out.scheduled:
-            start = req.num_computed_tokens
+            start = req.num_computed_tokens + ahead
             row0 = len(input_ids)
-            input_ids.extend(req.all_token_ids[start:start + n])
+            input_ids.extend(req.all_token_ids[start:start + n] if not ahead else [0] * n)
             pos = range(start, start + n)
             positions.extend(pos)
             slots.extend(req.block_ids[p // bs] * bs + p % bs for p in pos)
             qsl.append(len(input_ids))
             seq_lens.append(start + n)
-            if start + n == req.num_tokens:
+            if start + n == req.num_tokens + ahead:
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(req)
             if req.wants_prompt_logprobs:
@@ -272,6 +277,49 @@ class ModelRunner:
                 logits[row:row + count].log_softmax(dim=-1), targets, req.params.prompt_logprobs)
             row += count
         return sampled, prompt_logprobs
+
+
+    def launch(self, out: SchedulerOutput, eos_token_ids: set[int], prev: "PendingStep | None" = None
+               ) -> "PendingStep":
+        """Queue one step (forward pass and sampling) without waiting for it; collect() gets its
+        tokens. prev: the step before, still in flight: every request of `out` is one decode
+        token past what the host knows, and its input token is prev's sampled token, read on
+        the device. No request may ask for logprobs (they are read on the host)."""
+        inputs, sample_reqs, prompt_spans = self.prepare(out, ahead=1 if prev is not None else 0)
+        assert not prompt_spans
+        if prev is not None:
+            inputs.input_ids = prev.tokens
+        logits = self.forward_logits(inputs)
+        if sample_reqs:
+            batch = SamplingBatch.build(sample_reqs, self.vocab_size, self.device)
+            tokens, _ = sample(logits[:len(sample_reqs)], batch, eos_token_ids)
+        else:  # prompt chunks only
+            tokens = torch.empty(0, dtype=torch.long, device=logits.device)
+        host, ready = tokens, None
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return PendingStep(out, sample_reqs, tokens, host, ready)
+
+    @staticmethod
+    def collect(step: "PendingStep") -> dict[str, SampledToken]:
+        """Wait for a launched step's tokens."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        return {req.request_id: SampledToken(tok) for req, tok in zip(step.sample_reqs, step.host.tolist())}
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose sampled tokens have not been read on the host yet."""
+
+    out: SchedulerOutput
+    sample_reqs: list
+    tokens: torch.Tensor  # [n] int64 on the device, one per scheduled request
+    host: torch.Tensor  # pinned copy of tokens, valid once `ready` completed (CPU: tokens itself)
+    ready: "torch.cuda.Event | None"
 
 
 @dataclass

@@ -161,3 +161,10 @@ def test_waiting_for_remote_kvs(tiny_models, fail):
     hold.sent.add("p")
     prefill.engine.step()
     assert prefill.engine.blocks.num_free_blocks == prefill.engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("nbytes,message", [(0, "no memory is left for the KV cache"),
+                                            (40000, "the KV cache holds 64 tokens, fewer than max_model_len")])
+def test_too_small_kv_cache_is_a_clear_error(tiny_models, nbytes, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_models["llama"][0], device="cpu", block_size=16, kv_cache_memory_bytes=nbytes)

@@ -1,0 +1,100 @@
+"""--async-scheduling: the next decode step is launched before the previous step's tokens
+reach the host. Reference: the same engine without the flag. Outputs (tokens, finish reasons)
+must be identical, whatever stops a request (length, EOS/stop token, abort, preemption), and
+no KV block may leak."""
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.protocol import EngineRequest
+
+COMMON = dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=16, device="cpu")
+PROMPTS = [list(range(3, 3 + n)) for n in (5, 19, 2, 11, 7)]
+
+
+def _params(stop_token: int) -> list[SamplingParams]:
+    return [
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[stop_token]),  # stops early
+        SamplingParams(max_tokens=9, temperature=0.8, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0, min_tokens=6, stop_token_ids=[stop_token]),
+        SamplingParams(max_tokens=8, temperature=0, logprobs=2, ignore_eos=True),  # host-side: runs synced
+    ]
+
+
+def _spy_launches(llm):
+    """Count launches made ahead of the host (prev given)."""
+    runner, counts = llm.engine.runner, {"ahead": 0}
+    launch = runner.launch
+
+    def spy(out, eos, prev=None):
+        counts["ahead"] += prev is not None
+        return launch(out, eos, prev)
+
+    runner.launch = spy
+    return counts
+
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_async_matches_sync(tiny_models, arch, device):
+    """On a GPU the decode steps replay CUDA graphs whose input ids are copied on the device
+    from the step before, and tokens come back through pinned memory."""
+    path = tiny_models[arch][0]
+    kw = dict(COMMON, device=device, dtype="float32", num_gpu_blocks_override=256)
+    sync = LLM(path, **kw)
+    probe = sync.generate([PROMPTS[1]], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    stop = probe.token_ids[6]  # greedy reaches it within 30 tokens: request 1 stops early
+    params = _params(stop)
+    want = sync.generate(PROMPTS, params)
+    assert want[1].finish_reason == "stop" and len(want[1].token_ids) < 30
+    llm = LLM(path, async_scheduling=True, **kw)
+    assert (llm.engine.runner.graphs is not None) == (device == "cuda")
+    counts = _spy_launches(llm)
+    got = llm.generate(PROMPTS, params)
+    for g, w in zip(got, want):
+        assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason)
+    assert torch.allclose(torch.tensor([lp.logprobs for lp in got[4].logprobs]),
+                          torch.tensor([lp.logprobs for lp in want[4].logprobs]))
+    assert counts["ahead"] > 0
+    # plain decoding of a full batch: every step after the first decode is launched ahead
+    plain = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    counts["ahead"] = 0
+    got = llm.generate(PROMPTS[:3], plain)
+    assert [g.token_ids for g in got] == [w.token_ids for w in sync.generate(PROMPTS[:3], plain)]
+    assert counts["ahead"] >= 17
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_async_abort_and_preemption_leave_no_blocks(tiny_models):
+    path = tiny_models["qwen3"][0]
+    p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    small = dict(COMMON, num_gpu_blocks_override=16)  # 3 sequences of up to 43 tokens: preemption
+    want = LLM(path, **small).generate(PROMPTS[:4], p)
+    llm = LLM(path, async_scheduling=True, **small)
+    got = llm.generate(PROMPTS[:4], p)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert llm.engine.scheduler.num_preempted_total > 0
+    core = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        core.add_request(EngineRequest(f"a{i}", prompt, p))
+    outputs = []
+    for _ in range(12):  # mid-decode, a step in flight
+        outputs += core.step()
+    assert core._inflight is not None
+    core.abort_requests(["a0", "a2"])
+    while core.has_unfinished_requests():
+        outputs += core.step()
+    finished = {o.request_id: o.finish_reason for o in outputs if o.finished}
+    assert finished["a0"] == finished["a2"] == "abort"
+    assert all(finished[f"a{i}"] == "length" for i in (1, 3, 4))
+    assert core.blocks.num_free_blocks == core.blocks.num_blocks
+
+
+def test_async_refuses_what_it_does_not_support(tiny_models):
+    with pytest.raises(ValueError, match="--async-scheduling with --tensor-parallel-size"):
+        LLM(tiny_models["llama"][0], async_scheduling=True, tensor_parallel_size=2)
+
