@@ -55,7 +55,3 @@ class UpstreamHTTPError(RouterError):
             text = self.content.decode("utf-8", "replace").strip()[:2000]
             return error_response(f"{self.message}: {text}" if text else self.message, self.status, self.code)
         return Response(self.content, status_code=self.status, media_type=self.content_type)
-
-
-class ClientDisconnected(Exception):
-    """The client went away while the router was waiting on upstreams."""

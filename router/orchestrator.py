@@ -31,23 +31,22 @@ import json
 import logging
 import time
 import uuid
-from typing import Awaitable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from router.config import RouterConfig
-from router.errors import ClientDisconnected, RouterError
+from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.policy import make_policy
 from router.registry import Instance, InstanceRegistry
 from router.relay import OnClose, RelayResponse, relay
 from router.upstream import Upstream, UpstreamStream
+from server.disconnect import ClientDisconnected, cancel_on_disconnect
 
 logger = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
-T = TypeVar("T")
 
 
 def prefill_request_body(body: dict, path: str, kv_transfer_params: dict) -> dict:
@@ -80,27 +79,6 @@ async def parse_json_body(request: Request) -> tuple[dict, bytes]:
     if not isinstance(body, dict):
         raise RouterError("request body must be a JSON object", 400, "invalid_json")
     return body, raw
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (and raising ClientDisconnected) if the client goes away first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise ClientDisconnected()
-    return task.result()
 
 
 async def _cancel_all(*tasks: asyncio.Task) -> None:

@@ -1,5 +1,4 @@
 """The FastAPI app: OpenAI routes, health/version/metrics, API-key check, disconnect -> abort."""
-import asyncio
 import logging
 import secrets
 from contextlib import asynccontextmanager
@@ -12,6 +11,7 @@ from engine.config import EngineConfig
 from server import __version__
 from server.chat import create_chat_completion
 from server.completions import create_completion
+from server.disconnect import ClientDisconnected, cancel_on_disconnect
 from server.engine_client import EngineClient
 from server.errors import EngineDeadError, error_body, error_response, install_error_handlers
 from server.generation import ServingContext
@@ -42,24 +42,12 @@ class APIKeyMiddleware:
 
 async def _cancel_on_disconnect(request: Request, handler):
     """Run a route handler, cancelling it (and so aborting its engine requests) if the client
-    goes away before the response is ready. Streaming responses watch for that themselves."""
-    task = asyncio.ensure_future(handler)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
+    goes away before the response is ready."""
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            logger.info("client disconnected from %s; request aborted", request.url.path)
-    if task.cancelled():
+        return await cancel_on_disconnect(request, handler)
+    except ClientDisconnected:
+        logger.info("client disconnected from %s; request aborted", request.url.path)
         return Response(status_code=499)
-    return task.result()
 
 
 def served_model_name(config: EngineConfig) -> str:
