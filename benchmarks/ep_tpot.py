@@ -25,7 +25,7 @@ from benchmarks.roofline import MODELS, copy_bandwidth, kv_bytes, param_bytes, t
 
 
 def _rank(rank: int, world: int, model_dir: str, backend: str, batches: list[int], context: int, steps: int,
-          port: int, results) -> None:
+          port: int, results, async_scheduling: bool = False) -> None:
     from engine.config import EngineConfig
     from engine.core import EngineCore
 
@@ -34,7 +34,7 @@ def _rank(rank: int, world: int, model_dir: str, backend: str, batches: list[int
         model=model_dir, load_format="dummy", dtype="bfloat16", data_parallel_size=world,
         enable_expert_parallel=True, all2all_backend=backend, master_port=port, max_model_len=4096,
         max_num_seqs=max(batches), max_num_batched_tokens=2048, cuda_graph_sizes=tuple(sorted(set(batches))),
-        gpu_memory_utilization=0.85)
+        gpu_memory_utilization=0.85, async_scheduling=async_scheduling)
     torch.cuda.set_device(rank)
     bw = copy_bandwidth()
     core = EngineCore(config, dp_rank=rank)
@@ -55,11 +55,12 @@ def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> floa
 
 def _run_backend(backend: str, args, model_dir: str, port: int, results) -> bool:
     """Run one backend's ranks; True when every rank reported. Ranks that reported but do not
-    exit within 30 s (a stalled NCCL teardown, README's known bug) are killed, so one backend
-    cannot keep the others from running."""
+    exit within 30 s (a stalled teardown) are killed, so one backend cannot keep the others
+    from running."""
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank, args=(r, args.gpus, model_dir, backend, args.batch, args.context,
-                                             args.steps, port, results)) for r in range(args.gpus)]
+                                             args.steps, port, results, args.async_scheduling))
+             for r in range(args.gpus)]
     for p in procs:
         p.start()
     deadline = time.time() + args.timeout
@@ -90,6 +91,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=600, help="seconds a backend may take, start-up included")
+    ap.add_argument("--async-scheduling", action="store_true", help="run the engines with --async-scheduling")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from tests.ports import free_port
@@ -107,8 +109,8 @@ def main() -> None:
             tpot = max(results[(backend, r)][batch][0] for r in range(args.gpus))
             floor = max(results[(backend, r)][batch][1] for r in range(args.gpus))
             bw = min(results[(backend, r)][batch][2] for r in range(args.gpus))
-            rows.append(dict(backend=backend, ep=args.gpus, batch_per_rank=batch, tpot_ms=tpot * 1e3,
-                             floor_ms=floor * 1e3, of_floor=floor / tpot, copy_gbps=bw / 1e9))
+            rows.append(dict(backend=backend, ep=args.gpus, batch_per_rank=batch, async_scheduling=args.async_scheduling,
+                             tpot_ms=tpot * 1e3, floor_ms=floor * 1e3, of_floor=floor / tpot, copy_gbps=bw / 1e9))
             print("measured:", rows[-1], f"({time.time() - t0:.0f} s with start-up)", flush=True)
     base = {r["batch_per_rank"]: r["tpot_ms"] for r in rows if r["backend"] == "naive"}
     print(f"{'backend':<8} {'EP':>3} {'batch/rank':>10} {'TPOT ms':>8} {'floor ms':>9} {'of floor':>9} {'vs naive':>9}")

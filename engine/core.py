@@ -43,7 +43,6 @@ class EngineCore:
         if config.scheduler.async_scheduling:
             unsupported = [msg for bad, msg in [
                 (config.parallel.tensor_parallel_size > 1, "--tensor-parallel-size > 1"),
-                (config.parallel.data_parallel_size > 1, "--data-parallel-size > 1"),
                 (config.kv_transfer.enabled, "PD disaggregation (--kv-transfer-config)")] if bad]
             if unsupported:
                 raise ValueError(f"--async-scheduling with {unsupported[0]} is not supported yet")
@@ -146,18 +145,29 @@ class EngineCore:
         shape may round differently, as any change of batch composition may.)"""
         prev, self._inflight = self._inflight, None
         if prev is not None and self._continues(prev):
-            out = SchedulerOutput([(req, 1) for req, _ in prev.out.scheduled])
-            self._inflight = self.runner.launch(out, self.eos_token_ids, prev)
+            self._launch(SchedulerOutput([(req, 1) for req, _ in prev.out.scheduled]), prev)
             return self.scheduler.update(prev.out, self.runner.collect(prev), {})
         outputs = self.scheduler.update(prev.out, self.runner.collect(prev), {}) if prev is not None else []
         out = self.scheduler.schedule()
-        if out.scheduled and all(_async_safe(req) for req, _ in out.scheduled):
-            self._inflight = self.runner.launch(out, self.eos_token_ids)
+        lockstep = self._dp_group is not None  # every step() agrees with the other ranks exactly once
+        if (out.scheduled or lockstep) and all(_async_safe(req) for req, _ in out.scheduled):
+            self._launch(out)
             return outputs + self.scheduler.update(SchedulerOutput(), {}, {})  # aborts etc. now
         sampled, prompt_logprobs = {}, {}
-        if out.scheduled:
+        if lockstep:
+            sampled, prompt_logprobs = self._lockstep_execute(out)
+        elif out.scheduled:
             sampled, prompt_logprobs = self.runner.execute(out, self.eos_token_ids)
         return outputs + self.scheduler.update(out, sampled, prompt_logprobs)
+
+    def _launch(self, out: SchedulerOutput, prev: PendingStep | None = None) -> None:
+        """Launch `out` (see _step_async); lockstep DP ranks first agree on its padded size."""
+        pad_to, eager = 0, False
+        if self._dp_group is not None:
+            pad_to, eager = self._agree(out)
+            if pad_to == 0:
+                return
+        self._inflight = self.runner.launch(out, self.eos_token_ids, prev, pad_to=pad_to, force_eager=eager)
 
     def _continues(self, prev: PendingStep) -> bool:
         """May the next decode step of prev's requests launch before prev's tokens are known?
@@ -167,7 +177,7 @@ class EngineCore:
         request gets the block for one more token."""
         s = self.scheduler
         reqs = [req for req, _ in prev.out.scheduled]
-        if (len(reqs) != len(s.running) or (s.waiting and len(s.running) < s.config.max_num_seqs)
+        if (not reqs or len(reqs) != len(s.running) or (s.waiting and len(s.running) < s.config.max_num_seqs)
                 or len(reqs) > s.config.max_num_batched_tokens):
             return False
         for req, n in prev.out.scheduled:
@@ -184,14 +194,20 @@ class EngineCore:
         scheduled and on whether any batch needs the eager path; each pads its batch to that
         many tokens (an idle rank runs a batch of padding only), so dispatch sees equal token
         counts and every rank replays the same CUDA graph."""
+        max_tokens, eager = self._agree(out)
+        if max_tokens == 0:
+            return {}, {}
+        return self.runner.execute(out, self.eos_token_ids, pad_to=max_tokens, force_eager=eager)
+
+    def _agree(self, out: SchedulerOutput) -> tuple[int, bool]:
+        """All lockstep ranks: (the most tokens any rank runs now, whether any needs eager);
+        also learns whether any rank still has work."""
         num_tokens = sum(n for _, n in out.scheduled)
         eager = any(n != 1 for _, n in out.scheduled)
         local = torch.tensor([num_tokens, int(eager), int(self._has_local_work())], dtype=torch.long)
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._dp_group)
-        max_tokens, eager, self._dp_busy = int(local[0]), bool(local[1]), bool(local[2])
-        if max_tokens == 0:
-            return {}, {}
-        return self.runner.execute(out, self.eos_token_ids, pad_to=max_tokens, force_eager=eager)
+        self._dp_busy = bool(local[2])
+        return int(local[0]), bool(local[1])
 
     @property
     def dp_lockstep(self) -> bool:

@@ -279,16 +279,19 @@ class ModelRunner:
         return sampled, prompt_logprobs
 
 
-    def launch(self, out: SchedulerOutput, eos_token_ids: set[int], prev: "PendingStep | None" = None
-               ) -> "PendingStep":
+    def launch(self, out: SchedulerOutput, eos_token_ids: set[int], prev: "PendingStep | None" = None,
+               pad_to: int = 0, force_eager: bool = False) -> "PendingStep":
         """Queue one step (forward pass and sampling) without waiting for it; collect() gets its
         tokens. prev: the step before, still in flight: every request of `out` is one decode
         token past what the host knows, and its input token is prev's sampled token, read on
-        the device. No request may ask for logprobs (they are read on the host)."""
-        inputs, sample_reqs, prompt_spans = self.prepare(out, ahead=1 if prev is not None else 0)
+        the device. No request may ask for logprobs (they are read on the host). pad_to /
+        force_eager: as in execute()."""
+        inputs, sample_reqs, prompt_spans = self.prepare(out, pad_to, ahead=1 if prev is not None else 0)
         assert not prompt_spans
+        inputs.force_eager = force_eager
         if prev is not None:
-            inputs.input_ids = prev.tokens
+            ids, pad = prev.tokens, inputs.input_ids.shape[0] - prev.tokens.shape[0]
+            inputs.input_ids = torch.cat([ids, ids.new_zeros(pad)]) if pad else ids
         logits = self.forward_logits(inputs)
         if sample_reqs:
             batch = SamplingBatch.build(sample_reqs, self.vocab_size, self.device)

@@ -27,9 +27,9 @@ def _spy_launches(llm):
     runner, counts = llm.engine.runner, {"ahead": 0}
     launch = runner.launch
 
-    def spy(out, eos, prev=None):
+    def spy(out, eos, prev=None, **kw):
         counts["ahead"] += prev is not None
-        return launch(out, eos, prev)
+        return launch(out, eos, prev, **kw)
 
     runner.launch = spy
     return counts

@@ -30,32 +30,32 @@ def test_expert_parallel_over_tp_ranks(tiny_models, arch, placement):
         assert_same_generation(o, r)
 
 
-def _dp_rank(rank: int, kwargs: dict, prompts: list[list[int]], results) -> None:
+def _dp_rank(rank: int, kwargs: dict, prompts: list[list[int]], results, params=PARAMS) -> None:
     from engine.core import EngineCore
     from engine.protocol import EngineRequest
 
     core = EngineCore(EngineConfig.create(**kwargs), dp_rank=rank)
     try:
         for i, p in enumerate(prompts):
-            core.add_request(EngineRequest(f"{rank}-{i}", p, PARAMS))
+            core.add_request(EngineRequest(f"{rank}-{i}", p, params))
         got, steps = {}, 0
         while core.has_unfinished_requests():
             for o in core.step():
                 tokens, lps = got.setdefault(o.request_id, ([], []))
                 tokens.extend(o.new_token_ids)
-                lps.extend(lp.logprobs for lp in o.new_logprobs)
+                lps.extend(lp.logprobs for lp in o.new_logprobs or [])
             steps += 1
         results[rank] = (got, steps)
     finally:
         core.shutdown()
 
 
-def run_dp_ranks(kwargs: dict, split: list[list[int]]) -> dict:
+def run_dp_ranks(kwargs: dict, split: list[list[int]], params: SamplingParams = PARAMS) -> dict:
     """One process per DP rank, rank r serving PROMPTS[i] for i in split[r]:
     {rank: ({request id: (tokens, logprobs)}, steps taken)}."""
     results = mp.Manager().dict()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_dp_rank, args=(r, kwargs, [PROMPTS[i] for i in idx], results))
+    procs = [ctx.Process(target=_dp_rank, args=(r, kwargs, [PROMPTS[i] for i in idx], results, params))
              for r, idx in enumerate(split)]
     for p in procs:
         p.start()
@@ -85,6 +85,22 @@ def test_lockstep_data_parallel_expert_parallel(tiny_models, backend, placement,
             tokens, lps = got[f"{r}-{j}"]
             assert tokens == ref[i].token_ids
             assert torch.allclose(torch.tensor(lps), torch.tensor([lp.logprobs for lp in ref[i].logprobs]), atol=1e-4)
+
+
+@pytest.mark.parametrize("split", [[[0, 1, 2, 3], []], [[1], [0, 2, 3]]])
+def test_lockstep_dp_ep_async_scheduling(tiny_models, split):
+    """--async-scheduling on lockstep ranks: a step may launch ahead on one rank while another
+    prefills or idles; each step() still agrees once, so the collectives line up."""
+    path = tiny_models["qwen3_moe"][0]
+    params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+    ref = LLM(path, block_size=4).generate(PROMPTS, params)
+    kwargs = dict(model=path, block_size=4, data_parallel_size=len(split), enable_expert_parallel=True,
+                  all2all_backend="naive", master_port=free_port(), max_num_batched_tokens=16, device="cpu",
+                  async_scheduling=True)
+    results = run_dp_ranks(kwargs, split, params)
+    assert len({results[r][1] for r in range(len(split))}) == 1
+    for r, idx in enumerate(split):
+        assert [results[r][0][f"{r}-{j}"][0] for j in range(len(idx))] == [ref[i].token_ids for i in idx]
 
 
 def test_parallel_flag_errors(tiny_models):

@@ -4,7 +4,7 @@ without EP. Passed on 2x H200, 2026-11-23."""
 import pytest
 import torch
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from tests.engine.test_expert_parallel import PARAMS, PROMPTS, run_dp_ranks
 from tests.engine.test_tensor_parallel import assert_same_generation
 from tests.ports import free_port
@@ -35,6 +35,19 @@ def test_lockstep_dp_ep_gpu(tiny_models, reference, backend, split):
             assert tokens == reference[i].token_ids
             want = torch.tensor([lp.logprobs for lp in reference[i].logprobs])
             assert torch.allclose(torch.tensor(lps), want, atol=1e-3)
+
+
+def test_lockstep_dp_ep_async_gpu(tiny_models):
+    """--async-scheduling on 2 lockstep GPUs (ipc backend, CUDA graphs), tokens against one GPU."""
+    params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+    path = tiny_models["qwen3_moe"][0]
+    ref = LLM(path, device="cuda", **COMMON).generate(PROMPTS, params)
+    split = [[1], [0, 2, 3]]
+    kwargs = dict(model=path, data_parallel_size=2, enable_expert_parallel=True, all2all_backend="ipc",
+                  master_port=free_port(), device="auto", async_scheduling=True, **COMMON)
+    results = run_dp_ranks(kwargs, split, params)
+    for r, idx in enumerate(split):
+        assert [results[r][0][f"{r}-{j}"][0] for j in range(len(idx))] == [ref[i].token_ids for i in idx]
 
 
 def test_ep_over_tp_gpu(tiny_models, reference):
