@@ -91,7 +91,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=600, help="seconds a backend may take, start-up included")
-    ap.add_argument("--async-scheduling", action="store_true", help="run the engines with --async-scheduling")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                    help="the engines' --async-scheduling (off here unless asked, so runs compare like for like)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from tests.ports import free_port

@@ -91,7 +91,7 @@ def step_times(core, steps: int) -> list[float]:
     step leaves the next one running on the GPU by design, so there the steps are timed back
     to back (each waits for the one before it): the period of the steady state."""
     times = []
-    overlap = core.config.scheduler.async_scheduling
+    overlap = core.async_scheduling
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(steps):
@@ -152,7 +152,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(MODELS),
                     help="run one model per process on an 80 GB GPU: a finished model's memory is not all returned")
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--async-scheduling", action="store_true", help="run the engine with --async-scheduling")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                    help="the engine's --async-scheduling (off here unless asked, so runs compare like for like)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")

@@ -39,8 +39,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
-    # Launch a decode step before the previous step's tokens reach the host (see EngineCore.step)
-    async_scheduling: bool = False
+    # Launch a decode step before the previous step's tokens reach the host (EngineCore._step_async).
+    # None: on wherever supported (not with TP or PD disaggregation); True: required; False: off.
+    async_scheduling: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(section.name)
         for f in dataclasses.fields(section.default_factory):
             flag = "--" + f.name.replace("_", "-")
-            if str(f.type) == "bool" or f.type is bool:
+            if "bool" in str(f.type) or f.type is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
             else:
                 group.add_argument(flag, type=_flag_type(f), default=None)

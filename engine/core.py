@@ -40,12 +40,12 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, dp_rank: int = 0):
         config.parallel.validate(config.kv_transfer.enabled)
-        if config.scheduler.async_scheduling:
-            unsupported = [msg for bad, msg in [
-                (config.parallel.tensor_parallel_size > 1, "--tensor-parallel-size > 1"),
-                (config.kv_transfer.enabled, "PD disaggregation (--kv-transfer-config)")] if bad]
-            if unsupported:
-                raise ValueError(f"--async-scheduling with {unsupported[0]} is not supported yet")
+        unsupported = [msg for bad, msg in [
+            (config.parallel.tensor_parallel_size > 1, "--tensor-parallel-size > 1"),
+            (config.kv_transfer.enabled, "PD disaggregation (--kv-transfer-config)")] if bad]
+        if config.scheduler.async_scheduling and unsupported:
+            raise ValueError(f"--async-scheduling with {unsupported[0]} is not supported yet")
+        self.async_scheduling = config.scheduler.async_scheduling is not False and not unsupported
         self.config = config
         self.dp_rank, self.dp_size = dp_rank, config.parallel.data_parallel_size
         self._dp_group = None  # gloo group of the lockstep DP ranks (expert parallel only)
@@ -84,7 +84,11 @@ class EngineCore:
                     self.max_model_len, self.blocks.num_blocks)
 
     def set_connector(self, connector) -> None:
-        """Attach a KV connector's scheduler side (PD disaggregation)."""
+        """Attach a KV connector's scheduler side (PD disaggregation; async scheduling goes off)."""
+        if self.config.scheduler.async_scheduling:
+            raise ValueError("--async-scheduling with PD disaggregation (--kv-transfer-config) is not supported yet")
+        assert self._inflight is None
+        self.async_scheduling = False
         self.connector = connector
         self.scheduler.connector = connector
 
@@ -116,7 +120,7 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def step(self) -> list[RequestOutput]:
-        if self.config.scheduler.async_scheduling:
+        if self.async_scheduling:
             return self._step_async()
         out = self.scheduler.schedule()
         sampled, prompt_logprobs = {}, {}

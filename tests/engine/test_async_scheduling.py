@@ -1,7 +1,7 @@
-"""--async-scheduling: the next decode step is launched before the previous step's tokens
-reach the host. Reference: the same engine without the flag. Outputs (tokens, finish reasons)
-must be identical, whatever stops a request (length, EOS/stop token, abort, preemption), and
-no KV block may leak."""
+"""--async-scheduling (on by default): the next decode step is launched before the previous
+step's tokens reach the host. Reference: the same engine with --no-async-scheduling. Outputs
+(tokens, finish reasons) must be identical, whatever stops a request (length, EOS/stop token,
+abort, preemption), and no KV block may leak."""
 import pytest
 import torch
 
@@ -45,7 +45,7 @@ def test_async_matches_sync(tiny_models, arch, device):
     from the step before, and tokens come back through pinned memory."""
     path = tiny_models[arch][0]
     kw = dict(COMMON, device=device, dtype="float32", num_gpu_blocks_override=256)
-    sync = LLM(path, **kw)
+    sync = LLM(path, async_scheduling=False, **kw)
     probe = sync.generate([PROMPTS[1]], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
     stop = probe.token_ids[6]  # greedy reaches it within 30 tokens: request 1 stops early
     params = _params(stop)
@@ -73,7 +73,7 @@ def test_async_abort_and_preemption_leave_no_blocks(tiny_models):
     path = tiny_models["qwen3"][0]
     p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     small = dict(COMMON, num_gpu_blocks_override=16)  # 3 sequences of up to 43 tokens: preemption
-    want = LLM(path, **small).generate(PROMPTS[:4], p)
+    want = LLM(path, async_scheduling=False, **small).generate(PROMPTS[:4], p)
     llm = LLM(path, async_scheduling=True, **small)
     got = llm.generate(PROMPTS[:4], p)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
@@ -94,7 +94,9 @@ def test_async_abort_and_preemption_leave_no_blocks(tiny_models):
     assert core.blocks.num_free_blocks == core.blocks.num_blocks
 
 
-def test_async_refuses_what_it_does_not_support(tiny_models):
+def test_async_is_default_where_supported(tiny_models):
+    assert LLM(tiny_models["llama"][0], device="cpu").engine.async_scheduling
+    assert not LLM(tiny_models["llama"][0], device="cpu", async_scheduling=False).engine.async_scheduling
     with pytest.raises(ValueError, match="--async-scheduling with --tensor-parallel-size"):
         LLM(tiny_models["llama"][0], async_scheduling=True, tensor_parallel_size=2)
 

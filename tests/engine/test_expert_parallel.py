@@ -93,7 +93,7 @@ def test_lockstep_dp_ep_async_scheduling(tiny_models, split):
     prefills or idles; each step() still agrees once, so the collectives line up."""
     path = tiny_models["qwen3_moe"][0]
     params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
-    ref = LLM(path, block_size=4).generate(PROMPTS, params)
+    ref = LLM(path, block_size=4, async_scheduling=False).generate(PROMPTS, params)
     kwargs = dict(model=path, block_size=4, data_parallel_size=len(split), enable_expert_parallel=True,
                   all2all_backend="naive", master_port=free_port(), max_num_batched_tokens=16, device="cpu",
                   async_scheduling=True)

@@ -41,7 +41,7 @@ def test_lockstep_dp_ep_async_gpu(tiny_models):
     """--async-scheduling on 2 lockstep GPUs (ipc backend, CUDA graphs), tokens against one GPU."""
     params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
     path = tiny_models["qwen3_moe"][0]
-    ref = LLM(path, device="cuda", **COMMON).generate(PROMPTS, params)
+    ref = LLM(path, device="cuda", async_scheduling=False, **COMMON).generate(PROMPTS, params)
     split = [[1], [0, 2, 3]]
     kwargs = dict(model=path, data_parallel_size=2, enable_expert_parallel=True, all2all_backend="ipc",
                   master_port=free_port(), device="auto", async_scheduling=True, **COMMON)
