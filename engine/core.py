@@ -40,12 +40,9 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, dp_rank: int = 0):
         config.parallel.validate(config.kv_transfer.enabled)
-        unsupported = [msg for bad, msg in [
-            (config.parallel.tensor_parallel_size > 1, "--tensor-parallel-size > 1"),
-            (config.kv_transfer.enabled, "PD disaggregation (--kv-transfer-config)")] if bad]
-        if config.scheduler.async_scheduling and unsupported:
-            raise ValueError(f"--async-scheduling with {unsupported[0]} is not supported yet")
-        self.async_scheduling = config.scheduler.async_scheduling is not False and not unsupported
+        if config.scheduler.async_scheduling and config.kv_transfer.enabled:
+            raise ValueError("--async-scheduling with PD disaggregation (--kv-transfer-config) is not supported yet")
+        self.async_scheduling = config.scheduler.async_scheduling is not False and not config.kv_transfer.enabled
         self.config = config
         self.dp_rank, self.dp_size = dp_rank, config.parallel.data_parallel_size
         self._dp_group = None  # gloo group of the lockstep DP ranks (expert parallel only)
@@ -161,7 +158,7 @@ class EngineCore:
         if lockstep:
             sampled, prompt_logprobs = self._lockstep_execute(out)
         elif out.scheduled:
-            sampled, prompt_logprobs = self.runner.execute(out, self.eos_token_ids)
+            sampled, prompt_logprobs = self.runner.execute(out, self.eos_token_ids, broadcast=self._broadcast)
         return outputs + self.scheduler.update(out, sampled, prompt_logprobs)
 
     def _launch(self, out: SchedulerOutput, prev: PendingStep | None = None) -> None:
@@ -171,7 +168,8 @@ class EngineCore:
             pad_to, eager = self._agree(out)
             if pad_to == 0:
                 return
-        self._inflight = self.runner.launch(out, self.eos_token_ids, prev, pad_to=pad_to, force_eager=eager)
+        self._inflight = self.runner.launch(out, self.eos_token_ids, prev, pad_to=pad_to, force_eager=eager,
+                                            broadcast=self._broadcast)
 
     def _continues(self, prev: PendingStep) -> bool:
         """May the next decode step of prev's requests launch before prev's tokens are known?

@@ -280,18 +280,23 @@ class ModelRunner:
 
 
     def launch(self, out: SchedulerOutput, eos_token_ids: set[int], prev: "PendingStep | None" = None,
-               pad_to: int = 0, force_eager: bool = False) -> "PendingStep":
+               pad_to: int = 0, force_eager: bool = False, broadcast=None) -> "PendingStep":
         """Queue one step (forward pass and sampling) without waiting for it; collect() gets its
         tokens. prev: the step before, still in flight: every request of `out` is one decode
         token past what the host knows, and its input token is prev's sampled token, read on
-        the device. No request may ask for logprobs (they are read on the host). pad_to /
-        force_eager: as in execute()."""
+        the device (and sent to the other TP ranks from there). No request may ask for logprobs
+        (they are read on the host). pad_to / force_eager / broadcast: as in execute()."""
         inputs, sample_reqs, prompt_spans = self.prepare(out, pad_to, ahead=1 if prev is not None else 0)
         assert not prompt_spans
         inputs.force_eager = force_eager
+        inputs.ids_on_rank0 = prev is not None
+        if broadcast is not None:
+            broadcast(inputs)
         if prev is not None:
             ids, pad = prev.tokens, inputs.input_ids.shape[0] - prev.tokens.shape[0]
             inputs.input_ids = torch.cat([ids, ids.new_zeros(pad)]) if pad else ids
+            if broadcast is not None:
+                torch.distributed.broadcast(inputs.input_ids, src=0)
         logits = self.forward_logits(inputs)
         if sample_reqs:
             batch = SamplingBatch.build(sample_reqs, self.vocab_size, self.device)
@@ -338,3 +343,10 @@ class StepInputs:
     max_query_len: int
     logits_rows: list[int]
     force_eager: bool = False
+    ids_on_rank0: bool = False  # input ids follow on the device from rank 0 (async scheduling)
+
+    def receive_ids(self, device: torch.device) -> None:
+        """Other TP ranks: take the input ids that rank 0 broadcasts from its device."""
+        if self.ids_on_rank0:
+            self.input_ids = torch.empty(self.input_ids.shape, dtype=torch.long, device=device)
+            torch.distributed.broadcast(self.input_ids, src=0)

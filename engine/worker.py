@@ -141,6 +141,7 @@ def _worker_main(config: EngineConfig, rank: int, max_model_len: int, stopped) -
         dist.broadcast_object_list(box, src=0, group=group)
         if box[0] is None:
             break
+        box[0].receive_ids(runner.device)
         runner.forward_logits(box[0])
     runner.close()
     leave_distributed()
