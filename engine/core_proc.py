@@ -1,6 +1,6 @@
 """The engine core process: EngineCore's busy loop behind ZMQ sockets (see server/engine_client.py).
 
-Receives [b"ADD", EngineRequest] / [b"ABORT", list[str]] / [b"STATS"] frames on a PULL
+Receives [b"ADD", EngineRequest] / [b"ABORT", list[str]] / [b"STATS"] / [b"WAKE"] frames on a PULL
 socket, steps the engine while it has work (blocking on the socket when idle), and pushes
 [b"OUT", list[RequestOutput]], [b"STATS", SchedulerStats, dp rank] and [b"REJECT", [id, message,
 http_status]] frames back. Dies with its parent.
@@ -24,7 +24,10 @@ logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _IDLE_POLL_MS = 1000  # idle wake-up period, only to notice a dead parent
-_LOCKSTEP_IDLE_POLL_MS = 2  # lockstep DP ranks step together even when idle: wait this long for input
+# Lockstep DP ranks step together even when idle (an all-reduce each): between idle steps they
+# wait this long for input. The API sends every other rank a WAKE with each new request, so a
+# new request does not wait for the nap; a stale WAKE only makes a rank step early.
+_LOCKSTEP_IDLE_POLL_MS = 50
 _STATS_PERIOD_S = 1.0
 
 
@@ -100,6 +103,8 @@ class EngineCoreLoop:
                 self.core.abort_requests(self.abort_decoder.decode(frames[1]))
             elif kind == b"STATS":
                 self.publish_stats()
+            elif kind == b"WAKE":
+                pass  # the step that follows is the point
             else:
                 logger.error("unknown frame kind %r", kind)
 

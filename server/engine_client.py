@@ -3,6 +3,7 @@ rank), then talks to them over ZMQ.
 
 Frames (multipart, msgpack via msgspec):
   API -> core (PUSH/PULL, one socket per rank): [b"ADD", EngineRequest] | [b"ABORT", list[str]] | [b"STATS"]
+                                                | [b"WAKE"] (lockstep DP ranks: another rank got work)
   core -> API (PUSH/PULL, shared): [b"OUT", list[RequestOutput]] | [b"STATS", SchedulerStats, dp rank]
                                    | [b"REJECT", [request_id, message, http_status]]
 """
@@ -92,6 +93,7 @@ class EngineClient:
         self.config = config
         self.log_level = log_level
         self.num_ranks = config.parallel.data_parallel_size
+        self._lockstep = self.num_ranks > 1 and config.parallel.enable_expert_parallel
         self.info: EngineInfo | None = None
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self._ready_conns = []
@@ -225,6 +227,10 @@ class EngineClient:
             self._rank_of[req.request_id] = rank
             self._open[rank] += 1
             self._inputs[rank].send_multipart([b"ADD", self._encoder.encode(req)], copy=False)
+        if self._lockstep:  # idle lockstep ranks nap between steps: have them all step now
+            for other in range(self.num_ranks):
+                if other != rank:
+                    self._inputs[other].send_multipart([b"WAKE"])
         return stream
 
     def _forget(self, request_id: str) -> int | None:
