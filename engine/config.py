@@ -40,7 +40,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
     # Launch a decode step before the previous step's tokens reach the host (EngineCore._step_async).
-    # None: on wherever supported (not with TP or PD disaggregation); True: required; False: off.
+    # None: on, except with a KV connector (PD disaggregation), where only True turns it on.
     async_scheduling: bool | None = None
 
 

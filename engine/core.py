@@ -40,9 +40,10 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, dp_rank: int = 0):
         config.parallel.validate(config.kv_transfer.enabled)
-        if config.scheduler.async_scheduling and config.kv_transfer.enabled:
-            raise ValueError("--async-scheduling with PD disaggregation (--kv-transfer-config) is not supported yet")
-        self.async_scheduling = config.scheduler.async_scheduling is not False and not config.kv_transfer.enabled
+        # On by default, but with a KV connector only when asked for: the GPU (ipc) PD path has not
+        # been run with it yet (the tcp path has: tests/e2e).
+        a = config.scheduler.async_scheduling
+        self.async_scheduling = bool(a) if config.kv_transfer.enabled else a is not False
         self.config = config
         self.dp_rank, self.dp_size = dp_rank, config.parallel.data_parallel_size
         self._dp_group = None  # gloo group of the lockstep DP ranks (expert parallel only)
@@ -77,15 +78,13 @@ class EngineCore:
         if config.kv_transfer.enabled:
             from connectors import build_connector
             self.set_connector(build_connector(config.kv_transfer, self.runner))
-        logger.info("engine ready: %s, max_model_len=%d, %d KV blocks", type(self.runner.model).__name__,
-                    self.max_model_len, self.blocks.num_blocks)
+        logger.info("engine ready: %s, max_model_len=%d, %d KV blocks, async scheduling %s",
+                    type(self.runner.model).__name__, self.max_model_len, self.blocks.num_blocks,
+                    "on" if self.async_scheduling else "off")
 
     def set_connector(self, connector) -> None:
-        """Attach a KV connector's scheduler side (PD disaggregation; async scheduling goes off)."""
-        if self.config.scheduler.async_scheduling:
-            raise ValueError("--async-scheduling with PD disaggregation (--kv-transfer-config) is not supported yet")
+        """Attach a KV connector's scheduler side (PD disaggregation)."""
         assert self._inflight is None
-        self.async_scheduling = False
         self.connector = connector
         self.scheduler.connector = connector
 
@@ -124,8 +123,8 @@ class EngineCore:
         if self._dp_group is not None:
             sampled, prompt_logprobs = self._lockstep_execute(out)
         elif out.scheduled:
-            hook = self.connector.layer_hook(out.scheduled) if self.connector is not None else None
-            sampled, prompt_logprobs = self.runner.execute(out, self.eos_token_ids, hook, self._broadcast)
+            sampled, prompt_logprobs = self.runner.execute(out, self.eos_token_ids, self._layer_hook(out),
+                                                           self._broadcast)
         outputs = self.scheduler.update(out, sampled, prompt_logprobs)
         if not out.scheduled and not outputs and self._dp_group is None:
             time.sleep(0.001)  # only KV transfers in flight: poll them without spinning a core
@@ -158,8 +157,15 @@ class EngineCore:
         if lockstep:
             sampled, prompt_logprobs = self._lockstep_execute(out)
         elif out.scheduled:
-            sampled, prompt_logprobs = self.runner.execute(out, self.eos_token_ids, broadcast=self._broadcast)
-        return outputs + self.scheduler.update(out, sampled, prompt_logprobs)
+            sampled, prompt_logprobs = self.runner.execute(out, self.eos_token_ids, self._layer_hook(out),
+                                                           self._broadcast)
+        outputs += self.scheduler.update(out, sampled, prompt_logprobs)
+        if not out.scheduled and not outputs and not lockstep:
+            time.sleep(0.001)  # only KV transfers in flight: poll them without spinning a core
+        return outputs
+
+    def _layer_hook(self, out: SchedulerOutput):
+        return self.connector.layer_hook(out.scheduled) if self.connector is not None and out.scheduled else None
 
     def _launch(self, out: SchedulerOutput, prev: PendingStep | None = None) -> None:
         """Launch `out` (see _step_async); lockstep DP ranks first agree on its padded size."""
@@ -169,7 +175,7 @@ class EngineCore:
             if pad_to == 0:
                 return
         self._inflight = self.runner.launch(out, self.eos_token_ids, prev, pad_to=pad_to, force_eager=eager,
-                                            broadcast=self._broadcast)
+                                            broadcast=self._broadcast, on_layer_stored=self._layer_hook(out))
 
     def _continues(self, prev: PendingStep) -> bool:
         """May the next decode step of prev's requests launch before prev's tokens are known?
@@ -180,8 +186,8 @@ class EngineCore:
         s = self.scheduler
         reqs = [req for req, _ in prev.out.scheduled]
         if (not reqs or len(reqs) != len(s.running) or (s.waiting and len(s.running) < s.config.max_num_seqs)
-                or len(reqs) > s.config.max_num_batched_tokens):
-            return False
+                or len(reqs) > s.config.max_num_batched_tokens or s.sending):
+            return False  # (blocks held for KV sends: take the path that polls the connector)
         for req, n in prev.out.scheduled:
             if (n != 1 or req.status != RequestStatus.RUNNING or req.num_computed_tokens + 1 != req.num_tokens
                     or req.num_output_tokens + 1 >= req.max_tokens or req.num_tokens + 1 >= self.max_model_len

@@ -280,12 +280,13 @@ class ModelRunner:
 
 
     def launch(self, out: SchedulerOutput, eos_token_ids: set[int], prev: "PendingStep | None" = None,
-               pad_to: int = 0, force_eager: bool = False, broadcast=None) -> "PendingStep":
+               pad_to: int = 0, force_eager: bool = False, broadcast=None, on_layer_stored=None) -> "PendingStep":
         """Queue one step (forward pass and sampling) without waiting for it; collect() gets its
         tokens. prev: the step before, still in flight: every request of `out` is one decode
         token past what the host knows, and its input token is prev's sampled token, read on
         the device (and sent to the other TP ranks from there). No request may ask for logprobs
-        (they are read on the host). pad_to / force_eager / broadcast: as in execute()."""
+        (they are read on the host). pad_to / force_eager / broadcast / on_layer_stored: as in
+        execute()."""
         inputs, sample_reqs, prompt_spans = self.prepare(out, pad_to, ahead=1 if prev is not None else 0)
         assert not prompt_spans
         inputs.force_eager = force_eager
@@ -297,7 +298,7 @@ class ModelRunner:
             inputs.input_ids = torch.cat([ids, ids.new_zeros(pad)]) if pad else ids
             if broadcast is not None:
                 torch.distributed.broadcast(inputs.input_ids, src=0)
-        logits = self.forward_logits(inputs)
+        logits = self.forward_logits(inputs, on_layer_stored)
         if sample_reqs:
             batch = SamplingBatch.build(sample_reqs, self.vocab_size, self.device)
             tokens, _ = sample(logits[:len(sample_reqs)], batch, eos_token_ids)

@@ -39,7 +39,7 @@ def expected(model_dir, tmp_path_factory):
 
 
 def start_deployment(model_dir, log_dir, mode: str, num_prefill: int = 1, num_decode: int = 1,
-                     instance_timeout: float = 5.0):
+                     instance_timeout: float = 5.0, extra_args: tuple[str, ...] = ()):
     registry = free_port()
     router = Proc("router", ["--role", "router", "--registry-port", str(registry), "--kv-mode", mode,
                              "--instance-timeout", str(instance_timeout), "--request-timeout", "60"], log_dir)
@@ -49,7 +49,8 @@ def start_deployment(model_dir, log_dir, mode: str, num_prefill: int = 1, num_de
         for i in range(n):
             instances.append(Proc(f"{role}{i}", ["--role", role, "--model", str(model_dir), "--served-model-name",
                                                   "default", "--router-address", router_reg,
-                                                  "--kv-transfer-config", KV_CONFIG, *ENGINE_ARGS], log_dir))
+                                                  "--kv-transfer-config", KV_CONFIG, *ENGINE_ARGS, *extra_args],
+                                  log_dir))
     for p in instances:
         p.wait_healthy()
     router.wait_healthy(60)
@@ -60,9 +61,11 @@ def start_deployment(model_dir, log_dir, mode: str, num_prefill: int = 1, num_de
     return router, instances
 
 
-@pytest.mark.parametrize("mode,num_p,num_d", [("read", 1, 1), ("write", 1, 1), ("write", 2, 2)])
-def test_disagg_matches_collocated(model_dir, tmp_path, expected, mode, num_p, num_d):
-    router, instances = start_deployment(model_dir, tmp_path, mode, num_p, num_d)
+@pytest.mark.parametrize("mode,num_p,num_d,async_scheduling", [
+    ("read", 1, 1, True), ("write", 1, 1, False), ("write", 2, 2, True)])
+def test_disagg_matches_collocated(model_dir, tmp_path, expected, mode, num_p, num_d, async_scheduling):
+    flag = "--async-scheduling" if async_scheduling else "--no-async-scheduling"
+    router, instances = start_deployment(model_dir, tmp_path, mode, num_p, num_d, extra_args=(flag,))
     try:
         assert generate(router.url, PROMPTS) == expected
         decodes = [p for p in instances if p.name.startswith("decode")]

@@ -94,9 +94,6 @@ def test_async_abort_and_preemption_leave_no_blocks(tiny_models):
     assert core.blocks.num_free_blocks == core.blocks.num_blocks
 
 
-def test_async_is_default_where_supported(tiny_models):
+def test_async_is_the_default(tiny_models):
     assert LLM(tiny_models["llama"][0], device="cpu").engine.async_scheduling
     assert not LLM(tiny_models["llama"][0], device="cpu", async_scheduling=False).engine.async_scheduling
-    with pytest.raises(ValueError, match="--async-scheduling with PD disaggregation"):
-        LLM(tiny_models["llama"][0], async_scheduling=True, kv_connector="TandemConnector", kv_role="kv_both")
-

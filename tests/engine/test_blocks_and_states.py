@@ -131,7 +131,7 @@ def test_waiting_for_remote_kvs(tiny_models, fail):
     hold = HoldConnector()
     prefill.engine.set_connector(hold)
     prefill.engine.add_request(EngineRequest("p", prompt, SamplingParams(max_tokens=1)))
-    first = prefill.engine.step()[0]
+    first = next(o for _ in range(3) for o in prefill.engine.step())  # async: one call later
     assert first.finished and prefill.engine.blocks.num_free_blocks < prefill.engine.blocks.num_blocks
     src_blocks = first.kv_transfer_params["remote_block_ids"]
 
