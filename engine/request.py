@@ -56,6 +56,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit at first schedule
         self.block_ids: list[int] = []
+        self.block_row = None  # the model runner's int32 copy of block_ids (see ModelRunner._block_row)
         self.block_hashes: list[int] = []  # prefix-cache keys of full blocks, filled lazily
         self.stop_reason: int | None = None
         self.error: str | None = None

@@ -168,3 +168,18 @@ def test_waiting_for_remote_kvs(tiny_models, fail):
 def test_too_small_kv_cache_is_a_clear_error(tiny_models, nbytes, message):
     with pytest.raises(ValueError, match=message):
         LLM(tiny_models["llama"][0], device="cpu", block_size=16, kv_cache_memory_bytes=nbytes)
+
+
+def test_block_row_follows_block_ids():
+    """The runner's int32 copy of a request's block ids: grown as blocks are appended, rebuilt
+    when the request gets a new list (freed or preempted, then allocated again)."""
+    from engine.model_runner import _block_row
+    req = Request("r", [1, 2, 3], SamplingParams())
+    assert _block_row(req).tolist() == []
+    for n in range(1, 70):
+        req.block_ids.append(100 + n)
+        assert _block_row(req).tolist() == req.block_ids
+    req.block_ids = [7, 8, 9]  # same length as nothing cached, different ids
+    assert _block_row(req).tolist() == [7, 8, 9]
+    req.block_ids.extend([1, 2])
+    assert _block_row(req).tolist() == [7, 8, 9, 1, 2]
