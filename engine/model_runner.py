@@ -281,7 +281,6 @@ class ModelRunner:
             row += count
         return sampled, prompt_logprobs
 
-
     def launch(self, out: SchedulerOutput, eos_token_ids: set[int], prev: "PendingStep | None" = None,
                pad_to: int = 0, force_eager: bool = False, broadcast=None, on_layer_stored=None) -> "PendingStep":
         """Queue one step (forward pass and sampling) without waiting for it; collect() gets its
