@@ -268,8 +268,9 @@ def main() -> None:
     from engine.protocol import EngineRequest
 
     bw = copy_bandwidth()
+    # the synchronous step: its host phases are what this script times
     llm = build(args.model, max_num_batched_tokens=4096, max_num_seqs=max(args.batch, 8), max_model_len=8192,
-                gpu_memory_utilization=0.9, cuda_graph_sizes=(args.batch,))
+                gpu_memory_utilization=0.9, cuda_graph_sizes=(args.batch,), async_scheduling=False)
     core = llm.engine
     total_steps = 4 * (args.steps + 10)  # enough for every variant's steps
     for i in range(args.batch):
