@@ -63,7 +63,8 @@ class ParallelConfig:
     def validate(self, kv_transfer_enabled: bool) -> None:
         backends = ("none", "naive", "a2a", "ipc", "mori")
         if self.all2all_backend not in backends:
-            raise ValueError(f"unknown --all2all-backend {self.all2all_backend!r}; expected one of {', '.join(backends)}")
+            raise ValueError(f"unknown --all2all-backend {self.all2all_backend!r}; "
+                             f"expected one of {', '.join(backends)}")
         if self.all2all_backend != "none" and not self.enable_expert_parallel:
             raise ValueError(f"--all2all-backend {self.all2all_backend} needs --enable-expert-parallel")
         if self.ep_dispatch_fp8 and self.all2all_backend != "a2a":

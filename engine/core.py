@@ -118,14 +118,17 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         if self.async_scheduling:
             return self._step_async()
-        out = self.scheduler.schedule()
+        return self._execute(self.scheduler.schedule(), [])
+
+    def _execute(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Run `out` and wait for it (the synchronous step); returns `outputs` + its outputs."""
         sampled, prompt_logprobs = {}, {}
         if self._dp_group is not None:
             sampled, prompt_logprobs = self._lockstep_execute(out)
         elif out.scheduled:
             sampled, prompt_logprobs = self.runner.execute(out, self.eos_token_ids, self._layer_hook(out),
                                                            self._broadcast)
-        outputs = self.scheduler.update(out, sampled, prompt_logprobs)
+        outputs += self.scheduler.update(out, sampled, prompt_logprobs)
         if not out.scheduled and not outputs and self._dp_group is None:
             time.sleep(0.001)  # only KV transfers in flight: poll them without spinning a core
         return outputs
@@ -149,20 +152,11 @@ class EngineCore:
             return self.scheduler.update(prev.out, self.runner.collect(prev), {})
         outputs = self.scheduler.update(prev.out, self.runner.collect(prev), {}) if prev is not None else []
         out = self.scheduler.schedule()
-        lockstep = self._dp_group is not None  # every step() agrees with the other ranks exactly once
-        if (out.scheduled or lockstep) and all(_async_safe(req) for req, _ in out.scheduled):
+        # (lockstep ranks launch even with nothing scheduled: every step() agrees exactly once)
+        if (out.scheduled or self._dp_group is not None) and all(_async_safe(req) for req, _ in out.scheduled):
             self._launch(out)
             return outputs + self.scheduler.update(SchedulerOutput(), {}, {})  # aborts etc. now
-        sampled, prompt_logprobs = {}, {}
-        if lockstep:
-            sampled, prompt_logprobs = self._lockstep_execute(out)
-        elif out.scheduled:
-            sampled, prompt_logprobs = self.runner.execute(out, self.eos_token_ids, self._layer_hook(out),
-                                                           self._broadcast)
-        outputs += self.scheduler.update(out, sampled, prompt_logprobs)
-        if not out.scheduled and not outputs and not lockstep:
-            time.sleep(0.001)  # only KV transfers in flight: poll them without spinning a core
-        return outputs
+        return self._execute(out, outputs)
 
     def _layer_hook(self, out: SchedulerOutput):
         return self.connector.layer_hook(out.scheduled) if self.connector is not None and out.scheduled else None

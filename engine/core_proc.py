@@ -66,8 +66,9 @@ class EngineCoreLoop:
         self.last_stats_time = 0.0
 
     def run(self) -> None:
-        # Lockstep DP ranks (expert parallel) must take every step together, idle or not: they
-        # never block on the socket, and a step in which no rank has work runs nothing.
+        # Lockstep DP ranks (expert parallel) must take every step together, idle or not: idle,
+        # they wait on the socket for one nap at most, and a step in which no rank has work
+        # runs nothing.
         lockstep = self.core.dp_lockstep
         was_busy = True
         while True:

@@ -255,6 +255,22 @@ class ModelRunner:
             hidden = self.model(x.input_ids.to(dev), x.positions.to(dev), ctx)
         return self.model.compute_logits(hidden[x.logits_rows]).float()
 
+    def _forward(self, out: SchedulerOutput, pad_to: int, force_eager: bool, broadcast, on_layer_stored,
+                 prev: "PendingStep | None" = None) -> tuple[torch.Tensor, list, list]:
+        """Prepare `out`, hand it to the other TP ranks, run the forward pass (input ids from
+        prev's device tokens when given, see launch): (logits, sampled requests, prompt spans)."""
+        inputs, sample_reqs, prompt_spans = self.prepare(out, pad_to, ahead=1 if prev is not None else 0)
+        inputs.force_eager = force_eager
+        inputs.ids_on_rank0 = prev is not None
+        if broadcast is not None:
+            broadcast(inputs)
+        if prev is not None:
+            ids, pad = prev.tokens, inputs.input_ids.shape[0] - prev.tokens.shape[0]
+            inputs.input_ids = torch.cat([ids, ids.new_zeros(pad)]) if pad else ids
+            if broadcast is not None:
+                torch.distributed.broadcast(inputs.input_ids, src=0)
+        return self.forward_logits(inputs, on_layer_stored), sample_reqs, prompt_spans
+
     def execute(self, out: SchedulerOutput, eos_token_ids: set[int], on_layer_stored=None,
                 broadcast=None, pad_to: int = 0, force_eager: bool = False
                 ) -> tuple[dict[str, SampledToken], dict[str, list[TokenLogprobs]]]:
@@ -262,11 +278,7 @@ class ModelRunner:
         on_layer_stored(layer) runs once each layer's new KV is in the cache (write-mode KV
         connectors push it from there). pad_to / force_eager: lockstep data-parallel ranks pad
         to the same token count and agree on eager vs. CUDA graph (see EngineCore.step)."""
-        inputs, sample_reqs, prompt_spans = self.prepare(out, pad_to)
-        inputs.force_eager = force_eager
-        if broadcast is not None:
-            broadcast(inputs)
-        logits = self.forward_logits(inputs, on_layer_stored)
+        logits, sample_reqs, prompt_spans = self._forward(out, pad_to, force_eager, broadcast, on_layer_stored)
         sampled = {}
         if sample_reqs:
             batch = SamplingBatch.build(sample_reqs, self.vocab_size, self.device)
@@ -289,18 +301,8 @@ class ModelRunner:
         the device (and sent to the other TP ranks from there). No request may ask for logprobs
         (they are read on the host). pad_to / force_eager / broadcast / on_layer_stored: as in
         execute()."""
-        inputs, sample_reqs, prompt_spans = self.prepare(out, pad_to, ahead=1 if prev is not None else 0)
+        logits, sample_reqs, prompt_spans = self._forward(out, pad_to, force_eager, broadcast, on_layer_stored, prev)
         assert not prompt_spans
-        inputs.force_eager = force_eager
-        inputs.ids_on_rank0 = prev is not None
-        if broadcast is not None:
-            broadcast(inputs)
-        if prev is not None:
-            ids, pad = prev.tokens, inputs.input_ids.shape[0] - prev.tokens.shape[0]
-            inputs.input_ids = torch.cat([ids, ids.new_zeros(pad)]) if pad else ids
-            if broadcast is not None:
-                torch.distributed.broadcast(inputs.input_ids, src=0)
-        logits = self.forward_logits(inputs, on_layer_stored)
         if sample_reqs:
             batch = SamplingBatch.build(sample_reqs, self.vocab_size, self.device)
             tokens, _ = sample(logits[:len(sample_reqs)], batch, eos_token_ids)

@@ -274,9 +274,10 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None):
     cfg = cfg or _config(num_pairs, num_experts, x.dtype)
     block_m = cfg["BLOCK_M"]
 
-    def meta(i: int) -> dict:  # the two GEMMs may be tuned apart: BLOCK_K2, num_warps2, ... override
-        return dict(BLOCK_M=block_m, TOP_K=top_k, BLOCK_N=cfg[f"BLOCK_N{i}"],
-                    **{key: cfg.get(f"{key}{i}", cfg[key]) for key in ("BLOCK_K", "num_warps", "num_stages")})
+    # the two GEMMs may be tuned apart: BLOCK_K2, num_warps2, ... override the shared keys
+    meta1, meta2 = (dict(BLOCK_M=block_m, TOP_K=top_k, BLOCK_N=cfg[f"BLOCK_N{i}"],
+                         **{key: cfg.get(f"{key}{i}", cfg[key]) for key in ("BLOCK_K", "num_warps", "num_stages")})
+                    for i in (1, 2))
 
     pairs = cfg.get("PAIRS", num_pairs <= _PAIR_BLOCKS)
     if pairs:
@@ -292,16 +293,16 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None):
     _grouped_gemm_kernel[(num_blocks * n_tiles,)](
         x, w13, act, sorted_pairs, block_expert, block_rows, topk_weights,
         inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), n_tiles, num_experts,
-        GATHER_A=True, SCATTER_OUT=False, GATED=True, PAIRS=pairs, EVEN_K=hidden % meta(1)["BLOCK_K"] == 0,
-        **meta(1),
+        GATHER_A=True, SCATTER_OUT=False, GATED=True, PAIRS=pairs, EVEN_K=hidden % meta1["BLOCK_K"] == 0,
+        **meta1,
     )
     pair_out = torch.empty(num_pairs, hidden, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(hidden, cfg["BLOCK_N2"])
     _grouped_gemm_kernel[(num_blocks * n_tiles,)](
         act, w2, pair_out, sorted_pairs, block_expert, block_rows, topk_weights,
         hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), n_tiles, num_experts,
-        GATHER_A=False, SCATTER_OUT=True, GATED=False, PAIRS=pairs, EVEN_K=inter % meta(2)["BLOCK_K"] == 0,
-        **meta(2),
+        GATHER_A=False, SCATTER_OUT=True, GATED=False, PAIRS=pairs, EVEN_K=inter % meta2["BLOCK_K"] == 0,
+        **meta2,
     )
     _sum_topk(pair_out, topk_ids, out, num_experts)
     return out
