@@ -28,8 +28,9 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
-    # CPU has no profiling run: the KV cache gets this many bytes unless blocks are overridden.
-    kv_cache_memory_bytes: int = 1 << 30
+    # The KV cache's size in bytes (per rank). On a GPU it replaces the gpu_memory_utilization
+    # budget when given (as in vLLM); on the CPU, which has no profiling run, it defaults to 1 GiB.
+    kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
 

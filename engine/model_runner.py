@@ -97,10 +97,12 @@ class ModelRunner:
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        if self.device.type == "cuda":
+        if cache.kv_cache_memory_bytes is not None:
+            budget = cache.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
             budget = self._profile_free_memory()
         else:
-            budget = cache.kv_cache_memory_bytes
+            budget = 1 << 30
         num = budget // self.kv_bytes_per_block()
         if tp_size() > 1:  # every rank must agree on the block count
             t = torch.tensor([num], device=self.device if self.device.type == "cuda" else "cpu")
