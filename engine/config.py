@@ -41,7 +41,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
     # Launch a decode step before the previous step's tokens reach the host (EngineCore._step_async).
-    # None: on, except with a KV connector (PD disaggregation), where only True turns it on.
+    # None (the default) means on.
     async_scheduling: bool | None = None
 
 

@@ -40,10 +40,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, dp_rank: int = 0):
         config.parallel.validate(config.kv_transfer.enabled)
-        # On by default, but with a KV connector only when asked for: the GPU (ipc) PD path has not
-        # been run with it yet (the tcp path has: tests/e2e).
-        a = config.scheduler.async_scheduling
-        self.async_scheduling = bool(a) if config.kv_transfer.enabled else a is not False
+        self.async_scheduling = config.scheduler.async_scheduling is not False  # None: on
         self.config = config
         self.dp_rank, self.dp_size = dp_rank, config.parallel.data_parallel_size
         self._dp_group = None  # gloo group of the lockstep DP ranks (expert parallel only)

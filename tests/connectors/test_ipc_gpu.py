@@ -21,9 +21,9 @@ KV = lambda role: dict(kv_connector="TandemConnector", kv_role=role, kv_connecto
     "transport": "ipc", "transfer_timeout_s": 60, "hold_timeout_s": 60})
 
 
-def _prefill_main(inbox, outbox) -> None:
+def _prefill_main(inbox, outbox, async_scheduling) -> None:
     core = LLM(DEFAULT_MODEL_DIR, device="cuda:0", dtype="float32", num_gpu_blocks_override=512,
-               **KV("kv_producer")).engine
+               async_scheduling=async_scheduling, **KV("kv_producer")).engine
     outbox.put(("address", core.connector.address))
     while True:
         try:
@@ -39,18 +39,20 @@ def _prefill_main(inbox, outbox) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("async_scheduling", [True, False])
 @pytest.mark.parametrize("mode", ["read", "write"])
-def test_ipc_pd_matches_collocated(mode):
+def test_ipc_pd_matches_collocated(mode, async_scheduling):
     ref_llm = LLM(DEFAULT_MODEL_DIR, device="cuda:1", dtype="float32", num_gpu_blocks_override=512)
     ids = [ref_llm.tokenizer.encode(p) for p in PROMPTS]
     expected = [o.token_ids for o in ref_llm.generate(ids, PARAMS)]
     del ref_llm
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_prefill_main, args=(inbox, outbox), daemon=True)
+    proc = ctx.Process(target=_prefill_main, args=(inbox, outbox, async_scheduling), daemon=True)
     proc.start()
     decode = LLM(DEFAULT_MODEL_DIR, device="cuda:1", dtype="float32", num_gpu_blocks_override=512,
-                 **KV("kv_consumer")).engine
+                 async_scheduling=async_scheduling, **KV("kv_consumer")).engine
+    assert decode.async_scheduling == async_scheduling
     try:
         _, p_addr = outbox.get(timeout=300)
         p_host, p_port = p_addr.rsplit(":", 1)
