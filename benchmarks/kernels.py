@@ -110,6 +110,13 @@ def bench_attention():
         t_ref = bench(lambda: sdpa(qs, k, v, True))
         flops = 4 * HQ * D * ctx * (ctx + 1) / 2
         record("attn_prefill", f"T={ctx} causal", t, t_ref, 4 * q.numel() * 2, flops, "sdpa(gqa,causal)")
+        # a fresh prefill as the engine runs it: keys and values read from the new rows, which sit
+        # in the qkv projection's output ([T, Hq + 2 Hk, D]), instead of through the block table
+        qkv = torch.randn(ctx, HQ + 2 * HK, D, device=DEV, dtype=BF16)
+        dense = (qkv[:, HQ:HQ + HK], qkv[:, HQ + HK:])
+        t = bench(lambda: paged_attention_triton(q, kc, vc, bt, sl, qsl, D**-0.5, ctx, ctx, dense_kv=dense))
+        record("attn_prefill", f"T={ctx} causal, new k/v rows", t, t_ref, 4 * q.numel() * 2, flops,
+               "sdpa(gqa,causal)")
     # 4 chunked-prefill chunks of 512 behind 3584 tokens of context, plus 60 decodes at 2k
     q_lens, ctx_lens = [512] * 4 + [1] * 60, [4096] * 4 + [2048] * 60
     blocks = [-(-c // PAGE) for c in ctx_lens]

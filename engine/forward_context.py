@@ -21,5 +21,8 @@ class ForwardContext:
     query_start_loc: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    # Every sequence with more than one new token starts at position 0 (fresh prefills): their
+    # keys and values are all in this step's k and v, which attention may read directly.
+    prefills_from_start: bool = False
     # Called after layer i stored its KV (the KV connector's layer-wise push in write mode).
     on_layer_stored: Callable[[int], None] | None = None

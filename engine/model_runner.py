@@ -201,8 +201,10 @@ class ModelRunner:
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
         sample_rows, sample_reqs, prompt_rows, prompt_spans = [], [], [], []
+        from_start = True
         for req, n in out.scheduled:
             start = req.num_computed_tokens + ahead
+            from_start &= n == 1 or start == 0
             row0 = len(input_ids)
             input_ids.extend(req.all_token_ids[start:start + n] if not ahead else [0] * n)
             pos = range(start, start + n)
@@ -235,7 +237,8 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             block_tables=torch.from_numpy(block_tables),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            max_query_len=max([n for _, n in out.scheduled] + [1]), logits_rows=sample_rows + prompt_rows)
+            max_query_len=max([n for _, n in out.scheduled] + [1]), logits_rows=sample_rows + prompt_rows,
+            prefills_from_start=from_start)
         return inputs, sample_reqs, prompt_spans
 
     @torch.inference_mode()
@@ -253,7 +256,8 @@ class ModelRunner:
             ctx = ForwardContext(
                 slot_mapping=x.slot_mapping.to(dev), block_tables=x.block_tables.to(dev),
                 seq_lens=x.seq_lens.to(dev), query_start_loc=x.query_start_loc.to(dev),
-                max_query_len=x.max_query_len, max_seq_len=int(x.seq_lens.max()), on_layer_stored=on_layer_stored)
+                max_query_len=x.max_query_len, max_seq_len=int(x.seq_lens.max()),
+                prefills_from_start=x.prefills_from_start, on_layer_stored=on_layer_stored)
             hidden = self.model(x.input_ids.to(dev), x.positions.to(dev), ctx)
         return self.model.compute_logits(hidden[x.logits_rows]).float()
 
@@ -368,6 +372,7 @@ class StepInputs:
     query_start_loc: torch.Tensor
     max_query_len: int
     logits_rows: list[int]
+    prefills_from_start: bool = False  # see ForwardContext
     force_eager: bool = False
     ids_on_rank0: bool = False  # input ids follow on the device from rank 0 (async scheduling)
 

@@ -69,11 +69,14 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
     max_query_len: int | None = None, max_seq_len: int | None = None,
+    dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """See module docstring. max_query_len / max_seq_len are upper bounds the GPU path may use
-    for launch grids; they must not be exceeded by the data."""
+    for launch grids; they must not be exceeded by the data. dense_kv = (new keys, new values)
+    as stored, when every sequence of more than one new token starts at position 0: the GPU
+    path then reads a prefill's keys from them instead of gathering them through the block table."""
     if use_triton(q):
         from kernels.triton.attention import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens,
-                                      query_start_loc, scale, max_query_len, max_seq_len)
+                                      query_start_loc, scale, max_query_len, max_seq_len, dense_kv)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)

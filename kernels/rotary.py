@@ -46,30 +46,37 @@ def apply_rotary(
 def rotary_store_kvcache_ref(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, rotate_k: bool = False,
 ) -> torch.Tensor:
     """The attention inputs of one layer, ready: positions: [T]; q: [T, Hq, D]; k, v: [T, Hk, D];
     caches: [num_blocks, block_size, Hk, D]; slot_mapping: [T] (negative = not stored).
 
     qk_norm = (q weight [D], k weight [D], eps) RMS-normalizes every q and k head first (Qwen3).
-    Then q and k are rotated and k, v stored in the cache. Returns the rotated q.
+    Then q and k are rotated and k, v stored in the cache. Returns the rotated q. rotate_k: the
+    rotated k of the stored tokens is also written back into k (attention may then read the new
+    keys from k instead of the cache).
     """
+    k_in = k
     if qk_norm is not None:
         q_weight, k_weight, eps = qk_norm
         q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
     q, k = apply_rotary_ref(positions, q, k, cos_sin_cache)
     store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+    if rotate_k:
+        stored = slot_mapping >= 0
+        k_in[stored] = k[stored].to(k_in.dtype)
     return q
 
 
 def rotary_store_kvcache(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, rotate_k: bool = False,
 ) -> torch.Tensor:
     """Same contract as rotary_store_kvcache_ref; the Triton path rotates q in place, in one launch."""
     if use_triton(q):
         from kernels.triton.rotary import rotary_store_kvcache_triton
         return rotary_store_kvcache_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                                           qk_norm)
-    return rotary_store_kvcache_ref(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, qk_norm)
+                                           qk_norm, rotate_k)
+    return rotary_store_kvcache_ref(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, qk_norm,
+                                    rotate_k)

@@ -22,13 +22,16 @@ class Attention(nn.Module):
         """q: [T, Hq, D]; k, v: [T, Hk, D] -> [T, Hq * D]. With positions [T] and cos_sin_cache,
         q and k are first RMS-normalized per head (qk_norm = (q weight, k weight, eps)) and rotated,
         in the launch that stores k and v (one kernel for what took up to four)."""
+        # a fresh prefill's keys are all in k, v: the GPU kernel reads them there, not through the cache
+        dense = ctx.prefills_from_start and ctx.max_query_len > 1 and q.is_cuda
         if cos_sin_cache is None:
             store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         else:
             q = rotary_store_kvcache(positions, q, k, v, cos_sin_cache, self.k_cache, self.v_cache,
-                                     ctx.slot_mapping, qk_norm)
+                                     ctx.slot_mapping, qk_norm, rotate_k=dense)
         if ctx.on_layer_stored is not None:
             ctx.on_layer_stored(self.layer_idx)
         out = paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens,
-                              ctx.query_start_loc, self.scale, ctx.max_query_len, ctx.max_seq_len)
+                              ctx.query_start_loc, self.scale, ctx.max_query_len, ctx.max_seq_len,
+                              (k, v) if dense else None)
         return out.flatten(1)

@@ -106,7 +106,7 @@ def _rotary_store_kernel(
     stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
     HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr,
     HALF_PAD: tl.constexpr, ROT: tl.constexpr, PASS_PAD: tl.constexpr, PAGE: tl.constexpr,
-    HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
+    HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, ROTATE_K: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -123,6 +123,10 @@ def _rotary_store_kernel(
                            k_cache_ptr + block * stride_kcb + off * stride_kco, stride_kch,
                            num_kv_heads, kw_ptr, eps, cos, sin,
                            HAS_NORM, HEAD_DIM, HALF, HALF_PAD, ROT, PASS_PAD, HK_PAD)
+        if ROTATE_K:  # k in place too (it was read above as it was; every thread rewrites what it reads)
+            _norm_rotate_heads(k_ptr + t * stride_kt, stride_kh, k_ptr + t * stride_kt, stride_kh,
+                               num_kv_heads, kw_ptr, eps, cos, sin,
+                               HAS_NORM, HEAD_DIM, HALF, HALF_PAD, ROT, PASS_PAD, HK_PAD)
         h = tl.arange(0, HK_PAD)[:, None]
         d = tl.arange(0, D_PAD)[None, :]
         mask = (h < num_kv_heads) & (d < HEAD_DIM)
@@ -134,11 +138,12 @@ def _rotary_store_kernel(
 def rotary_store_kvcache_triton(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, rotate_k: bool = False,
 ) -> torch.Tensor:
     """Same contract as kernels.rotary.rotary_store_kvcache_ref, in one launch (a program per
     token). q is normalized and rotated in place; k is normalized and rotated on its way into
-    the cache and left as it was; v is copied into the cache. Returns q."""
+    the cache, and in place too when rotate_k (tokens with a slot only); v is copied into the
+    cache. Returns q."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     rot = cos_sin_cache.shape[-1]
@@ -158,6 +163,6 @@ def rotary_store_kvcache_triton(
         HALF=rot // 2, HALF_PAD=triton.next_power_of_2(rot // 2), ROT=rot,
         PASS_PAD=triton.next_power_of_2(head_dim - rot) if head_dim > rot else 0, PAGE=k_cache.shape[1],
         HQ_PAD=triton.next_power_of_2(num_q_heads), HK_PAD=triton.next_power_of_2(num_kv_heads),
-        num_warps=4,
+        ROTATE_K=rotate_k, num_warps=4,
     )
     return q

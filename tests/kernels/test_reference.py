@@ -9,7 +9,7 @@ from kernels.activation import silu_and_mul_ref
 from kernels.attention import paged_attention_ref, store_kvcache_ref
 from kernels.moe import fused_experts_ref, topk_routing
 from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.rotary import apply_rotary_ref, build_cos_sin_cache
+from kernels.rotary import apply_rotary_ref, build_cos_sin_cache, rotary_store_kvcache_ref
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -123,6 +123,24 @@ def test_rotary_ref_matches_complex_rotation():
         zr = z * torch.polar(torch.ones_like(angle), angle)[:, None]
         expect = torch.cat([zr.real, zr.imag, x[..., rot:]], dim=-1)
         assert _rel(out, expect) < 1e-6  # cache is built in float32
+
+
+def test_rotary_store_ref_rotate_k_writes_back_what_is_stored():
+    T, Hq, Hk, D, page = 6, 4, 2, 16, 4
+    cache = build_cos_sin_cache(1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)), 64)
+    pos, slots = torch.arange(T), torch.tensor([3, 0, -1, 9, 10, 4])
+    q, k, v = torch.randn(T, Hq, D), torch.randn(T, Hk, D), torch.randn(T, Hk, D)
+    k_before = k.clone()
+    kc, vc = torch.zeros(3, page, Hk, D), torch.zeros(3, page, Hk, D)
+    rotary_store_kvcache_ref(pos, q, k, v, cache, kc, vc, slots, None, rotate_k=True)
+    stored = slots >= 0
+    assert torch.equal(k[stored], kc.flatten(0, 1)[slots[stored]])
+    assert torch.equal(k[~stored], k_before[~stored])  # padding rows left alone
+    assert not torch.equal(k[1:2], k_before[1:2])  # position 1: rotated
+    kc2 = torch.zeros_like(kc)
+    k2 = k_before.clone()
+    rotary_store_kvcache_ref(pos, q, k2, v, cache, kc2, vc, slots, None)
+    assert torch.equal(k2, k_before) and torch.equal(kc2, kc)
 
 
 def test_silu_and_mul_ref():

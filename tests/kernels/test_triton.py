@@ -80,6 +80,32 @@ def test_paged_attention(case, heads, head_dim, dtype):
         assert _rel(out, ref) < TOL[dtype], (case, bounds)
 
 
+@pytest.mark.parametrize("heads,head_dim,dtype", [((32, 8), 128, torch.bfloat16), ((16, 2), 64, torch.float32),
+                                                  ((8, 8), 128, torch.float16)])
+def test_paged_attention_dense_prefill(heads, head_dim, dtype):
+    """Fresh prefills (plus decodes) with dense_kv: keys and values of the prefills are read from
+    the new rows. The cache blocks of the prefills are zeroed afterwards, so an output that still
+    matches the reference can only have come from the rows."""
+    from kernels.triton.attention import paged_attention_triton
+    q_lens, ctx_lens = [300, 1, 129, 1, 2000], [300, 900, 129, 17, 2000]
+    q, kc, vc, bt, seq_lens, qsl = _paged_inputs(q_lens, ctx_lens, *heads, head_dim, 16, dtype)
+    ref = paged_attention_ref(q, kc, vc, bt, seq_lens, qsl, 0.1)
+    rows = [(s, ctx - ql + j) for s, (ql, ctx) in enumerate(zip(q_lens, ctx_lens)) for j in range(ql)]
+    blk = torch.stack([bt[s, p // 16] for s, p in rows]).long()
+    off = torch.tensor([p % 16 for _, p in rows], device=DEVICE)
+    k_new, v_new = kc[blk, off], vc[blk, off]
+    for s, (ql, ctx) in enumerate(zip(q_lens, ctx_lens)):
+        if ql > 1:
+            kc[bt[s, :-(-ctx // 16)].long()] = 0
+            vc[bt[s, :-(-ctx // 16)].long()] = 0
+    _poison(q.numel() * 4)
+    out = paged_attention_triton(q, kc, vc, bt, seq_lens, qsl, 0.1, 2000, 2000, dense_kv=(k_new, v_new))
+    assert _rel(out, ref) < TOL[dtype]
+    single = paged_attention_triton(q[:300], kc, vc, bt[:1], seq_lens[:1], qsl[:2], 0.1, 300, 300,
+                                    dense_kv=(k_new[:300], v_new[:300]))  # one sequence: one launch
+    assert _rel(single, ref[:300]) < TOL[dtype]
+
+
 def test_paged_attention_odd_head_dim_and_group():
     from kernels.triton.attention import paged_attention_triton
     args = _paged_inputs([3, 1, 50], [40, 77, 50], 28, 4, 80, 32, torch.bfloat16)
@@ -169,7 +195,8 @@ def test_rotary(rot_fraction, dtype):
 @pytest.mark.parametrize("rot_fraction", [1.0, 0.5])
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_store_kvcache(rot_fraction, qk_norm, dtype):
+@pytest.mark.parametrize("rotate_k", [False, True])
+def test_rotary_store_kvcache(rot_fraction, qk_norm, dtype, rotate_k):
     from kernels.triton.rotary import rotary_store_kvcache_triton
     T, Hq, Hk, D, page = 77, 32, 4, 128, 16
     rot = int(D * rot_fraction)
@@ -185,12 +212,21 @@ def test_rotary_store_kvcache(rot_fraction, qk_norm, dtype):
     norm = ((1 + 0.1 * torch.randn(D, device=DEVICE)).to(dtype), (1 + 0.1 * torch.randn(D, device=DEVICE)).to(dtype),
             1e-6) if qk_norm else None
     kc_ref, vc_ref = kc.clone(), vc.clone()
-    q_ref = rotary_store_kvcache_ref(positions, q.clone(), k.clone(), v.clone(), cache, kc_ref, vc_ref, slots, norm)
+    k_ref = k.clone()
+    q_ref = rotary_store_kvcache_ref(positions, q.clone(), k_ref, v.clone(), cache, kc_ref, vc_ref, slots, norm,
+                                     rotate_k)
     k_before = k.clone()
-    q_out = rotary_store_kvcache_triton(positions, q, k, v, cache, kc, vc, slots, norm)
+    q_out = rotary_store_kvcache_triton(positions, q, k, v, cache, kc, vc, slots, norm, rotate_k)
     assert q_out.data_ptr() == q.data_ptr()  # in place
     assert _rel(q_out, q_ref) < TOL[dtype] / 4 and _rel(kc, kc_ref) < TOL[dtype] / 4
-    assert torch.equal(vc, vc_ref) and torch.equal(k, k_before)
+    assert torch.equal(vc, vc_ref)
+    stored = slots >= 0
+    assert torch.equal(k[~stored], k_before[~stored])
+    if rotate_k:  # k holds exactly what the cache got
+        blk, off = slots[stored] // page, slots[stored] % page
+        assert torch.equal(k[stored], kc[blk, off]) and _rel(k, k_ref) < TOL[dtype] / 4
+    else:
+        assert torch.equal(k, k_before)
 
 
 @pytest.mark.parametrize("experts,top_k", [(128, 8), (8, 2), (60, 4)])
