@@ -18,10 +18,11 @@ class SamplingBatch:
     """Per-row parameters as tensors, built once per step by the model runner."""
 
     requests: list[Request]
-    temperature: torch.Tensor  # [N] float32, 0 = greedy
-    top_k: torch.Tensor  # [N] int64, vocab size = disabled
-    top_p: torch.Tensor  # [N] float32
-    min_p: torch.Tensor  # [N] float32
+    # [N] each; None when every row is greedy (nothing reads them then: no copies to the GPU)
+    temperature: torch.Tensor | None  # float32, 0 = greedy
+    top_k: torch.Tensor | None  # int64, vocab size = disabled
+    top_p: torch.Tensor | None  # float32
+    min_p: torch.Tensor | None  # float32
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
@@ -34,17 +35,21 @@ class SamplingBatch:
     def build(cls, requests: list[Request], vocab_size: int, device: torch.device) -> "SamplingBatch":
         ps = [r.params for r in requests]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps]
-        # Built on the host and sent with non-blocking copies: torch.tensor(..., device=cuda)
-        # would wait for the GPU to finish the forward pass queued before it.
-        floats = torch.tensor([[0.0 if p.greedy else p.temperature for p in ps], [p.top_p for p in ps],
-                               [p.min_p for p in ps]]).to(device, non_blocking=True)
+        all_greedy = all(p.greedy for p in ps)
+        floats = top_k_t = None
+        if not all_greedy:
+            # Built on the host and sent with non-blocking copies: torch.tensor(..., device=cuda)
+            # would wait for the GPU to finish the forward pass queued before it.
+            floats = torch.tensor([[0.0 if p.greedy else p.temperature for p in ps], [p.top_p for p in ps],
+                                   [p.min_p for p in ps]]).to(device, non_blocking=True)
+            top_k_t = torch.tensor(top_k).to(device, non_blocking=True)
         return cls(
             requests=requests,
-            temperature=floats[0],
-            top_k=torch.tensor(top_k).to(device, non_blocking=True),
-            top_p=floats[1],
-            min_p=floats[2],
-            all_greedy=all(p.greedy for p in ps),
+            temperature=None if floats is None else floats[0],
+            top_k=top_k_t,
+            top_p=None if floats is None else floats[1],
+            min_p=None if floats is None else floats[2],
+            all_greedy=all_greedy,
             any_top_k=any(k < vocab_size for k in top_k),
             any_top_p=any(p.top_p < 1 for p in ps),
             any_min_p=any(p.min_p > 0 for p in ps),

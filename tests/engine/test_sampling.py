@@ -57,8 +57,13 @@ def test_filters_restrict_support():
 
 
 def test_greedy_ignores_filters_and_penalties_apply():
-    b = _rows([SamplingParams(temperature=0)])
+    b = _rows([SamplingParams(temperature=0, top_k=2, top_p=0.5)])
+    assert b.temperature is None and b.top_k is None  # an all-greedy batch builds no tensors
     assert int(sample(LOGITS.clone(), b, set())[0][0]) == 0
+    mixed = _rows([SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=2)])
+    assert mixed.temperature.tolist() == [0.0, 1.0] and mixed.top_k.tolist() == [8, 2]
+    toks, _ = sample(LOGITS.repeat(2, 1), mixed, set())
+    assert int(toks[0]) == 0 and int(toks[1]) in (0, 1)
     # frequency penalty 2 on token 0 seen twice: 4 - 4 = 0 < 3 -> token 1 wins.
     b = _rows([SamplingParams(temperature=0, frequency_penalty=2.0)], [[0, 0]])
     assert int(sample(LOGITS.clone(), b, set())[0][0]) == 1
