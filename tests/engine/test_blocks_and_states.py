@@ -183,3 +183,28 @@ def test_block_row_follows_block_ids():
     assert _block_row(req).tolist() == [7, 8, 9]
     req.block_ids.extend([1, 2])
     assert _block_row(req).tolist() == [7, 8, 9, 1, 2]
+
+
+def test_prefills_from_start_flag(tiny_models):
+    """The promise the GPU prefill path relies on (it then reads keys from the step's rows, not
+    the cache): set only when every sequence of more than one new token starts at position 0."""
+    llm = LLM(tiny_models["llama"][0], block_size=4, max_num_batched_tokens=8, async_scheduling=False)
+    core, seen = llm.engine, []
+    prepare = core.runner.prepare
+
+    def recording(out, *args, **kwargs):
+        inputs = prepare(out, *args, **kwargs)
+        seen.append(([(r.request_id, r.num_computed_tokens, n) for r, n in out.scheduled],
+                     inputs[0].prefills_from_start))
+        return inputs
+    core.runner.prepare = recording
+    core.add_request(EngineRequest("a", list(range(3, 23)), SamplingParams(max_tokens=3, ignore_eos=True)))
+    for _ in range(4):  # 20 prompt tokens in chunks of 8, 8, 4; then a decode
+        core.step()
+    core.add_request(EngineRequest("b", list(range(40, 45)), SamplingParams(max_tokens=2, ignore_eos=True)))
+    while core.has_unfinished_requests():
+        core.step()
+    assert seen[0] == ([("a", 0, 8)], True)
+    assert seen[1] == ([("a", 8, 8)], False) and seen[2] == ([("a", 16, 4)], False)
+    assert seen[3] == ([("a", 20, 1)], True)  # decodes only
+    assert seen[4] == ([("a", 21, 1), ("b", 0, 5)], True)  # a decode next to a fresh prefill
