@@ -61,6 +61,11 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29533
 
+    @property
+    def lockstep_dp(self) -> bool:
+        """Several DP ranks whose MoE layers are collectives over them: they step together."""
+        return self.data_parallel_size > 1 and self.enable_expert_parallel
+
     def validate(self, kv_transfer_enabled: bool) -> None:
         backends = ("none", "naive", "a2a", "ipc", "mori")
         if self.all2all_backend not in backends:

@@ -64,7 +64,7 @@ class EngineCore:
             device = local_device(config, 0)
         elif self.dp_size > 1:
             device = data_parallel_device(config, dp_rank)
-            if config.parallel.enable_expert_parallel:
+            if config.parallel.lockstep_dp:
                 self._dp_group = init_data_parallel(config, dp_rank)
         self.runner = ModelRunner(config, self.hf_config, self.max_model_len, device)
         self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size,

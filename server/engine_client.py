@@ -93,7 +93,6 @@ class EngineClient:
         self.config = config
         self.log_level = log_level
         self.num_ranks = config.parallel.data_parallel_size
-        self._lockstep = self.num_ranks > 1 and config.parallel.enable_expert_parallel
         self.info: EngineInfo | None = None
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self._ready_conns = []
@@ -227,7 +226,7 @@ class EngineClient:
             self._rank_of[req.request_id] = rank
             self._open[rank] += 1
             self._inputs[rank].send_multipart([b"ADD", self._encoder.encode(req)], copy=False)
-        if self._lockstep:  # idle lockstep ranks nap between steps: have them all step now
+        if self.config.parallel.lockstep_dp:  # idle lockstep ranks nap between steps: have them all step now
             for other in range(self.num_ranks):
                 if other != rank:
                     self._inputs[other].send_multipart([b"WAKE"])
