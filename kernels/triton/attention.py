@@ -300,14 +300,13 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
     if narrow_only:
         return [dict(narrow, Q_RANGE=_ALL_Q)]
     if small and q.element_size() == 2 and dense:
-        wide = dict(BLOCK_M=max(128, block_m), BLOCK_N=64, NUM_SPLITS=1, num_warps=8, num_stages=3, DENSE=True)
+        wide = dict(BLOCK_M=max(128, block_m), BLOCK_N=64, NUM_SPLITS=1, num_warps=8, num_stages=3)
     elif small and q.element_size() == 2:  # 256 x 64 tiles, 3 stages: 160 KB of shared memory
         wide = dict(BLOCK_M=max(256, block_m), BLOCK_N=64, NUM_SPLITS=1, num_warps=8, num_stages=3)
     else:
         wide = dict(BLOCK_M=max(128 if small else 64, block_m), BLOCK_N=block_n, NUM_SPLITS=1,
                     num_warps=8, num_stages=2)
-    if dense:
-        wide.setdefault("DENSE", True)
+    wide["DENSE"] = dense
     if num_seqs == 1:
         return [dict(wide, Q_RANGE=_ALL_Q)]
     return [dict(narrow, Q_RANGE=(0, block_q)), dict(wide, Q_RANGE=(block_q + 1, _ALL_Q[1]))]
