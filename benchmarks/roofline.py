@@ -154,8 +154,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                     help="the engine's --async-scheduling (off here unless asked, so runs compare like for like)")
+    ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
+                    help="programmatic dependent launch for the Triton kernels (kernels/triton/pdl.py; on "
+                         "where the GPU has it): --no-pdl measures without")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from kernels.triton import pdl
+    pdl.set_enabled(args.pdl)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     bw, mm = copy_bandwidth(), matmul_rate()
     dev = torch.cuda.get_device_name()
@@ -170,7 +175,8 @@ def main() -> None:
             wbytes = param_bytes(llm.engine.runner, MODELS[name]["num_experts_per_tok"] if moe else None)
             # bw counts bytes read + written, which is what HBM moves per second either way.
             floor = (wbytes + kv_bytes(llm.engine.runner, batch, args.context)) / bw
-            what = f"decode b={batch} ctx={args.context}" + (" async" if args.async_scheduling else "")
+            what = (f"decode b={batch} ctx={args.context}" + (" async" if args.async_scheduling else "")
+                    + ("" if args.pdl else " no-pdl"))
             rows.append(dict(model=name, what=what, ms=t * 1e3,
                              floor_ms=floor * 1e3, of_floor=floor / t))
             print("measured:", rows[-1], flush=True)

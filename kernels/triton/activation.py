@@ -3,9 +3,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.pdl import launch_args, wait_previous
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -26,5 +29,5 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] and d:
         block = min(1024, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, d, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+            x2, out, d, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4, **launch_args(x2))
     return out.view(*x.shape[:-1], d)

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.pdl import launch_args, wait_previous
+
 
 @triton.jit
 def _store_kvcache_kernel(
@@ -24,7 +26,9 @@ def _store_kvcache_kernel(
     stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
     num_kv_heads, head_dim,
     PAGE: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -59,7 +63,7 @@ def store_kvcache_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         num_kv_heads, head_dim,
         PAGE=k_cache.shape[1], H_PAD=triton.next_power_of_2(num_kv_heads),
-        D_PAD=triton.next_power_of_2(head_dim), num_warps=4,
+        D_PAD=triton.next_power_of_2(head_dim), num_warps=4, **launch_args(key),
     )
 
 
@@ -130,7 +134,9 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HEAVY_FIRST: tl.constexpr, OFFS_32: tl.constexpr, DENSE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     if HEAVY_FIRST:
         # grid (kv heads, q blocks): the last q blocks (most keys under the causal mask) start
         # first, for every head, so the short ones fill the tail
@@ -221,7 +227,9 @@ def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr, seq_lens_ptr, num_seqs, max_q_len, head_dim,
     stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     if t >= tl.load(query_start_loc_ptr + num_seqs):  # padding token: nothing was computed
@@ -378,12 +386,12 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=p["BLOCK_N"], HEAD_DIM=head_dim,
             D_PAD=d_pad, PAGE=page, NUM_SPLITS=splits, HEAVY_FIRST=heavy_first,
             OFFS_32=p.get("OFFS_32", offs_32), DENSE=p.get("DENSE", False) and dense_kv is not None,
-            num_warps=p["num_warps"], num_stages=p["num_stages"],
+            num_warps=p["num_warps"], num_stages=p["num_stages"], **launch_args(q),
         )
         if splits > 1:
             _merge_splits_kernel[(num_tokens, num_heads)](
                 out, part_acc, part_ml, query_start_loc, seq_lens, num_seqs, p["Q_RANGE"][1], head_dim,
                 out.stride(0), out.stride(1), NUM_SPLITS=splits, D_PAD=d_pad, BLOCK_Q=block_q,
-                BLOCK_N=p["BLOCK_N"], num_warps=4,
+                BLOCK_N=p["BLOCK_N"], num_warps=4, **launch_args(q),
             )
     return out

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.pdl import launch_args, wait_previous
+
 _PAIR_BLOCKS = 16  # at most this many pairs: no grouping, a block per pair (decode)
 _SMALL_PAIRS = 1024  # at most this many pairs: one-program grouping kernel
 _CHUNK = 128  # pairs per program (large batches) / per step (small batches)
@@ -62,8 +64,10 @@ def _write_blocks(counts, block_expert_ptr, block_rows_ptr, max_blocks,
 def _align_small_kernel(
     ids_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, num_pairs, num_experts, max_blocks,
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Whole grouping in one program (decode-sized batches: one launch)."""
+    wait_previous(PDL)
     ex = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for c0 in range(0, num_pairs, CHUNK):
@@ -84,8 +88,9 @@ def _align_small_kernel(
 
 @triton.jit
 def _align_count_kernel(ids_ptr, chunk_counts_ptr, num_pairs, num_experts,
-                        E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                        E_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Large batches, step 1 of 3: per-chunk expert histogram [num_chunks, E_PAD]."""
+    wait_previous(PDL)
     c = tl.program_id(0)
     p = c * CHUNK + tl.arange(0, CHUNK)
     e = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
@@ -97,8 +102,9 @@ def _align_count_kernel(ids_ptr, chunk_counts_ptr, num_pairs, num_experts,
 @triton.jit
 def _align_offsets_kernel(chunk_counts_ptr, seg_start_ptr, block_expert_ptr, block_rows_ptr,
                           num_chunks, max_blocks,
-                          BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr):
+                          BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
     """Step 2 (one program): chunk counts -> exclusive prefix per expert (in place), segments."""
+    wait_previous(PDL)
     ex = tl.arange(0, E_PAD)
     running = tl.zeros([E_PAD], dtype=tl.int32)
     for r0 in range(0, num_chunks, ROWS):
@@ -113,8 +119,9 @@ def _align_offsets_kernel(chunk_counts_ptr, seg_start_ptr, block_expert_ptr, blo
 
 @triton.jit
 def _align_scatter_kernel(ids_ptr, chunk_base_ptr, seg_start_ptr, sorted_ptr, num_pairs, num_experts,
-                          E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                          E_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Step 3: each pair's row = segment start + pairs of its expert in earlier chunks + rank."""
+    wait_previous(PDL)
     c = tl.program_id(0)
     p = c * CHUNK + tl.arange(0, CHUNK)
     e = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
@@ -134,18 +141,18 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int, max_blocks: i
     if num_pairs <= _SMALL_PAIRS:
         _align_small_kernel[(1,)](
             topk_ids, sorted_pairs, block_expert, block_rows, num_pairs, num_experts, max_blocks,
-            BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_CHUNK // 2, num_warps=8,
+            BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_CHUNK // 2, num_warps=8, **launch_args(topk_ids),
         )
         return sorted_pairs, block_expert, block_rows
     num_chunks = triton.cdiv(num_pairs, _CHUNK)
     chunk_counts = torch.empty(num_chunks, e_pad, device=dev, dtype=torch.int32)
     seg_start = torch.empty(e_pad, device=dev, dtype=torch.int32)
     _align_count_kernel[(num_chunks,)](topk_ids, chunk_counts, num_pairs, num_experts,
-                                       E_PAD=e_pad, CHUNK=_CHUNK, num_warps=4)
+                                       E_PAD=e_pad, CHUNK=_CHUNK, num_warps=4, **launch_args(topk_ids))
     _align_offsets_kernel[(1,)](chunk_counts, seg_start, block_expert, block_rows, num_chunks,
-                                max_blocks, BLOCK_M=block_m, E_PAD=e_pad, ROWS=16, num_warps=8)
+                                max_blocks, BLOCK_M=block_m, E_PAD=e_pad, ROWS=16, num_warps=8, **launch_args(topk_ids))
     _align_scatter_kernel[(num_chunks,)](topk_ids, chunk_counts, seg_start, sorted_pairs, num_pairs,
-                                         num_experts, E_PAD=e_pad, CHUNK=_CHUNK, num_warps=4)
+                                         num_experts, E_PAD=e_pad, CHUNK=_CHUNK, num_warps=4, **launch_args(topk_ids))
     return sorted_pairs, block_expert, block_rows
 
 
@@ -156,6 +163,7 @@ def _grouped_gemm_kernel(
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, GATED: tl.constexpr,
     PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[rows] = a[rows] @ w[e].T for the BLOCK_M rows of one expert block.
 
@@ -165,6 +173,7 @@ def _grouped_gemm_kernel(
     PAIRS: block b is pair b alone (one row), its expert block_expert_ptr[b] (= topk_ids), and
     its own row is row b.
     """
+    wait_previous(PDL)
     # N tiles vary fastest: the programs in flight share the block's rows and the expert's weights
     pid = tl.program_id(0)
     block = pid // num_n_tiles
@@ -217,7 +226,8 @@ def _grouped_gemm_kernel(
 
 @triton.jit
 def _sum_topk_kernel(pair_out_ptr, ids_ptr, out_ptr, H, num_experts,
-                     TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
+                     TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     slot = tl.arange(0, K_PAD)
@@ -294,7 +304,7 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None):
         x, w13, act, sorted_pairs, block_expert, block_rows, topk_weights,
         inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), n_tiles, num_experts,
         GATHER_A=True, SCATTER_OUT=False, GATED=True, PAIRS=pairs, EVEN_K=hidden % meta1["BLOCK_K"] == 0,
-        **meta1,
+        **meta1, **launch_args(x),
     )
     pair_out = torch.empty(num_pairs, hidden, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(hidden, cfg["BLOCK_N2"])
@@ -302,7 +312,7 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None):
         act, w2, pair_out, sorted_pairs, block_expert, block_rows, topk_weights,
         hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), n_tiles, num_experts,
         GATHER_A=False, SCATTER_OUT=True, GATED=False, PAIRS=pairs, EVEN_K=inter % meta2["BLOCK_K"] == 0,
-        **meta2,
+        **meta2, **launch_args(x),
     )
     _sum_topk(pair_out, topk_ids, out, num_experts)
     return out
@@ -314,5 +324,5 @@ def _sum_topk(pair_out: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
     block = min(1024, triton.next_power_of_2(hidden))
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](
         pair_out, topk_ids, out, hidden, num_experts,
-        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK=block, num_warps=4,
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK=block, num_warps=4, **launch_args(out),
     )

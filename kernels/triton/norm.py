@@ -7,13 +7,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.pdl import launch_args, wait_previous
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_cols, eps,
     stride_x, stride_res, stride_out, stride_sum,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -44,7 +48,7 @@ def _launch(x, res, weight, out, s, eps):
     _rms_norm_kernel[(n_rows,)](
         x, res, weight, out, s, n_cols, eps,
         x.stride(0), res.stride(0), out.stride(0), s.stride(0),
-        HAS_RESIDUAL=res is not x, BLOCK=block, num_warps=warps,
+        HAS_RESIDUAL=res is not x, BLOCK=block, num_warps=warps, **launch_args(x),
     )
 
 

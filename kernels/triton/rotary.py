@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.pdl import launch_args, wait_previous
+
 
 @triton.jit
 def _rotate_heads(x_ptr, stride_h, num_heads, c, c_mask, cos, sin,
@@ -25,7 +27,9 @@ def _rotary_kernel(
     pos_ptr, q_ptr, k_ptr, cache_ptr, num_q_heads, num_k_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     c = tl.arange(0, HALF_PAD)
@@ -54,7 +58,7 @@ def apply_rotary_triton(
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
             HALF=half, HALF_PAD=triton.next_power_of_2(half),
             HQ_PAD=triton.next_power_of_2(num_q_heads), HK_PAD=triton.next_power_of_2(num_k_heads),
-            num_warps=4,
+            num_warps=4, **launch_args(q),
         )
     return q, k
 
@@ -107,7 +111,9 @@ def _rotary_store_kernel(
     HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr,
     HALF_PAD: tl.constexpr, ROT: tl.constexpr, PASS_PAD: tl.constexpr, PAGE: tl.constexpr,
     HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, ROTATE_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     c = tl.arange(0, HALF_PAD)
@@ -163,6 +169,6 @@ def rotary_store_kvcache_triton(
         HALF=rot // 2, HALF_PAD=triton.next_power_of_2(rot // 2), ROT=rot,
         PASS_PAD=triton.next_power_of_2(head_dim - rot) if head_dim > rot else 0, PAGE=k_cache.shape[1],
         HQ_PAD=triton.next_power_of_2(num_q_heads), HK_PAD=triton.next_power_of_2(num_kv_heads),
-        ROTATE_K=rotate_k, num_warps=4,
+        ROTATE_K=rotate_k, num_warps=4, **launch_args(q),
     )
     return q

@@ -9,13 +9,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.pdl import launch_args, wait_previous
+
 
 @triton.jit
 def _topk_routing_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_t,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr,
     SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < num_tokens
     ex = tl.arange(0, E_PAD)
@@ -65,6 +69,6 @@ def topk_routing_triton(
         _topk_routing_kernel[(triton.cdiv(num_tokens, rows),)](
             logits, weights, ids, num_tokens, num_experts, logits.stride(0),
             TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, ROWS=rows,
-            SOFTMAX=scoring == "softmax", RENORMALIZE=renormalize, num_warps=4,
+            SOFTMAX=scoring == "softmax", RENORMALIZE=renormalize, num_warps=4, **launch_args(logits),
         )
     return weights, ids

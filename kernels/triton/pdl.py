@@ -1,0 +1,45 @@
+"""Programmatic dependent launch (PDL; CUDA, compute capability 9.0 and up) for our Triton kernels.
+
+A kernel launched with PDL may be scheduled while the kernel before it in the stream is still
+running, so it is resident when its predecessor ends instead of being launched then: that takes
+the launch gap off the boundary (decode runs hundreds of small kernels a step). Every kernel of
+ours starts with `wait_previous(PDL)`: it blocks until the previous grid has completed and its
+writes are visible (`griddepcontrol.wait`), then lets the next kernel be scheduled in turn;
+nothing is read or written before it, so the order of effects is the stream's. Kernels that are
+not ours (cuBLAS, torch) are launched without PDL and wait for their predecessor as usual. Off
+on ROCm and on GPUs before Hopper, where the kernels compile without the two instructions.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_enabled = True
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn PDL on or off for launches from now on (benchmarks compare both; graphs captured
+    before keep what they captured)."""
+    global _enabled
+    _enabled = enabled
+
+
+@functools.cache
+def _supported(device_index: int) -> bool:
+    return torch.version.cuda is not None and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def launch_args(t: torch.Tensor) -> dict:
+    """Keyword arguments for a launch of one of our kernels on t's device: the PDL flag the
+    kernel passes to wait_previous, and Triton's launch_pdl where it is on."""
+    on = _enabled and t.is_cuda and _supported(t.device.index if t.device.index is not None else
+                                               torch.cuda.current_device())
+    return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
+
+
+@triton.jit
+def wait_previous(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
