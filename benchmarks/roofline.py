@@ -157,10 +157,15 @@ def main() -> None:
     ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
                     help="programmatic dependent launch for the Triton kernels (kernels/triton/pdl.py; on "
                          "where the GPU has it): --no-pdl measures without")
+    ap.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=True,
+                    help="linear layers of <= 16 rows on the Triton GEMM (kernels/linear.py; the engine's "
+                         "default): --no-skinny-gemm measures them on torch (cuBLAS)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from kernels import linear
     from kernels.triton import pdl
     pdl.set_enabled(args.pdl)
+    linear.set_skinny(args.skinny_gemm)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     bw, mm = copy_bandwidth(), matmul_rate()
     dev = torch.cuda.get_device_name()
@@ -176,7 +181,7 @@ def main() -> None:
             # bw counts bytes read + written, which is what HBM moves per second either way.
             floor = (wbytes + kv_bytes(llm.engine.runner, batch, args.context)) / bw
             what = (f"decode b={batch} ctx={args.context}" + (" async" if args.async_scheduling else "")
-                    + ("" if args.pdl else " no-pdl"))
+                    + ("" if args.pdl else " no-pdl") + ("" if args.skinny_gemm else " cublas"))
             rows.append(dict(model=name, what=what, ms=t * 1e3,
                              floor_ms=floor * 1e3, of_floor=floor / t))
             print("measured:", rows[-1], flush=True)

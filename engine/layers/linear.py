@@ -5,10 +5,10 @@ this rank's slice of a checkpoint tensor into it, so fused projections (qkv,
 gate_up) load from the separate tensors a Hugging Face checkpoint stores.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.parallel import tp_all_reduce, tp_rank, tp_size
+from kernels.linear import linear
 
 
 def _divide(a: int, b: int) -> int:
@@ -39,7 +39,7 @@ class LinearBase(nn.Module):
         _copy_checked(param.data, self._shard(param, loaded), "linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -101,5 +101,5 @@ class RowParallelLinear(LinearBase):
         super().__init__(_divide(in_features, tp_size()), out_features, bias, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if tp_rank() == 0 else None)
+        y = linear(x, self.weight, self.bias if tp_rank() == 0 else None)
         return tp_all_reduce(y)

@@ -346,3 +346,48 @@ def test_pdl_chain_in_graph_matches_without():
     for without, with_pdl in zip(*results):
         for a, b in zip(without, with_pdl):
             assert not a.isnan().any() and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (2048, 4096), (128, 2048), (1000, 1000), (77, 4500)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_skinny_linear(rows, n, k, dtype):
+    """Decode-sized linear layers (the K split and its ticket reduction included) against a float64
+    matmul; a second call on new inputs checks that the tickets were put back."""
+    from kernels.triton.linear import _config, skinny_linear_triton
+    w = (torch.randn(n, k, device=DEVICE) / math.sqrt(k)).to(dtype)
+    for _ in range(2):
+        x = torch.randn(rows, k, device=DEVICE).to(dtype)
+        _poison(rows * n * 8)
+        out = skinny_linear_triton(x, w)
+        assert out.shape == (rows, n) and out.dtype == dtype
+        assert _rel(out, x.double() @ w.double().t()) < TOL[dtype]
+    split = _config(n, k, torch.cuda.get_device_properties(0).multi_processor_count)["SPLIT_K"]
+    for cfg_split in {1, 2, 8} - {split}:  # the other reduction paths on the same input
+        cfg = dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=cfg_split, num_warps=4, num_stages=3)
+        assert _rel(skinny_linear_triton(x, w, cfg), x.double() @ w.double().t()) < TOL[dtype]
+
+
+def test_skinny_linear_graph_and_dispatch():
+    """kernels.linear.linear takes the Triton GEMM for <= 16 rows (bias added after) and torch
+    above; under graph capture replays see new inputs."""
+    from kernels.linear import linear
+    from kernels.triton.linear import MAX_ROWS
+    w = torch.randn(512, 2048, device=DEVICE, dtype=torch.bfloat16) / 45
+    b = torch.randn(512, device=DEVICE, dtype=torch.bfloat16)
+    for rows in (1, MAX_ROWS, MAX_ROWS + 1):
+        x = torch.randn(rows, 2048, device=DEVICE, dtype=torch.bfloat16)
+        assert _rel(linear(x, w, b), x.double() @ w.double().t() + b.double()) < TOL[torch.bfloat16]
+    x = torch.randn(4, 2048, device=DEVICE, dtype=torch.bfloat16)
+    linear(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear(x, w)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert _rel(out, x.double() @ w.double().t()) < TOL[torch.bfloat16]
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        from kernels.triton.linear import skinny_linear_triton
+        skinny_linear_triton(torch.zeros(17, 2048, device=DEVICE, dtype=torch.bfloat16), w)
