@@ -17,15 +17,32 @@ from kernels.triton.pdl import launch_args, wait_previous
 
 MAX_ROWS = 16
 _MAX_STRIPS = 1 << 16  # tickets per device: one per column strip
+_PRELOAD = 1  # weight tiles loaded before the wait (H100: -0.06 ms a Llama-8B step vs 0; RESULTS)
+
+
+@triton.jit
+def _weight_tile(w_ptrs, k_left, n_mask, rk, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
+    return tl.load(w_ptrs, mask=n_mask[None, :] & (rk < k_left)[:, None], other=0.0)
+
+
+@triton.jit
+def _x_tile(x_ptrs, k_left, m_mask, rk, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+    return tl.load(x_ptrs, mask=m_mask[:, None] & (rk < k_left)[None, :], other=0.0)
 
 
 @triton.jit
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
 ):
-    wait_previous(PDL)
+    """PRELOAD: this many weight tiles (0-2) are loaded before waiting for the kernel ahead
+    (PDL): they do not depend on it, and the kernel ahead (a norm, the attention merge) leaves
+    HBM idle meanwhile."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -39,15 +56,27 @@ def _skinny_gemm_kernel(
     x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
-        else:
-            k_mask = rk < k_hi - k0
-            a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-        acc = tl.dot(a, w, acc)
+    k = k_lo
+    if PRELOAD >= 1:
+        w0 = _weight_tile(w_ptrs, k_hi - k, n_mask, rk, False)
+    if PRELOAD >= 2:
+        w1 = _weight_tile(w_ptrs + BLOCK_K, k_hi - k - BLOCK_K, n_mask, rk, False)
+    wait_previous(PDL)
+    if PRELOAD >= 1:
+        a = _x_tile(x_ptrs, k_hi - k, m_mask, rk, False)
+        acc = tl.dot(a, w0, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        k += BLOCK_K
+    if PRELOAD >= 2:
+        a = _x_tile(x_ptrs, k_hi - k, m_mask, rk, False)
+        acc = tl.dot(a, w1, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        k += BLOCK_K
+    for k0 in range(k, k_hi, BLOCK_K):
+        a = _x_tile(x_ptrs, k_hi - k0, m_mask, rk, EVEN_K)
+        acc = tl.dot(a, _weight_tile(w_ptrs, k_hi - k0, n_mask, rk, EVEN_K), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
@@ -109,6 +138,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, cfg: dict | None
     part = torch.empty(split, MAX_ROWS, n, device=x.device, dtype=torch.float32) if split > 1 else out
     _skinny_gemm_kernel[(strips, split)](
         x, weight, out, part, _tickets(x.device), m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=MAX_ROWS, SPLIT_K=split, EVEN_K=k % (split * cfg["BLOCK_K"]) == 0, **cfg, **launch_args(x),
+        BLOCK_M=MAX_ROWS, SPLIT_K=split, EVEN_K=k % (split * cfg["BLOCK_K"]) == 0,
+        PRELOAD=cfg.pop("PRELOAD", _PRELOAD), **cfg, **launch_args(x),
     )
     return out
