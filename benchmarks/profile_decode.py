@@ -163,7 +163,9 @@ def _in_graph_us(fn, copies: int, calls: int = 8) -> float:
 
 def linear_table(model, batch: int, bw: float) -> list[dict]:
     """Each linear weight of layer 0 (and the LM head) as a GEMM at this batch, timed inside a graph
-    of back-to-back calls (cuBLAS)."""
+    of back-to-back calls: cuBLAS, and what the engine runs (kernels.linear: the Triton GEMM at
+    <= 16 rows; the LM head is always cuBLAS)."""
+    from kernels.linear import linear
     layer = model.model.layers[0]
     weights = {n: m.weight for n, m in layer.named_modules() if hasattr(m, "weight") and m.weight is not None
                and m.weight.dim() == 2}
@@ -173,9 +175,12 @@ def linear_table(model, batch: int, bw: float) -> list[dict]:
         copies = 1 if name == "lm_head" else max(1, min(4, -(-200 * 2**20 // (w.numel() * w.element_size()))))
         ws = [w] + [w.clone() for _ in range(copies - 1)]
         x = torch.randn(batch, w.shape[1], device=w.device, dtype=w.dtype)
-        t = _in_graph_us(lambda i: F.linear(x, ws[i]), copies, 1 if name == "lm_head" else 8)
+        calls = 1 if name == "lm_head" else 8
+        t = _in_graph_us(lambda i: F.linear(x, ws[i]), copies, calls)
+        t_engine = t if name == "lm_head" else _in_graph_us(lambda i: linear(x, ws[i]), copies, calls)
         nbytes = w.numel() * w.element_size()
-        rows.append(dict(linear=name, shape=list(w.shape), us=t, of_copy_bw=nbytes / (t * 1e-6) / bw))
+        rows.append(dict(linear=name, shape=list(w.shape), us=t, of_copy_bw=nbytes / (t * 1e-6) / bw,
+                         engine_us=t_engine, engine_of_copy_bw=nbytes / (t_engine * 1e-6) / bw))
     return rows
 
 
@@ -262,9 +267,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--compare-previous", action="store_true",
                     help="also profile the code paths the fused launches replaced (same process)")
+    ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
+                    help="programmatic dependent launch (the engine's default); with it a kernel's time in "
+                         "the table includes its wait for the kernel ahead, so --no-pdl attributes time per kernel")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from engine import SamplingParams
+    from kernels.triton import pdl
+
+    pdl.set_enabled(args.pdl)
     from engine.protocol import EngineRequest
 
     bw = copy_bandwidth()
@@ -293,7 +304,8 @@ def main() -> None:
     linears = linear_table(llm.engine.runner.model, args.batch, bw)
     print("\nlinear layers of layer 0, us per call inside a graph of back-to-back calls (of copy bandwidth):")
     for r in linears:
-        print(f"    {r['linear']:<24}{str(r['shape']):<16} cuBLAS {r['us']:>7.1f} ({r['of_copy_bw']:.0%})")
+        print(f"    {r['linear']:<24}{str(r['shape']):<16} cuBLAS {r['us']:>7.1f} ({r['of_copy_bw']:.0%})"
+              f"   engine {r['engine_us']:>7.1f} ({r['engine_of_copy_bw']:.0%})")
     print(f"\n{'variant':<28}{'step us':>9}{'of floor':>9}{'replay us':>10}{'launch us':>10}{'kernels':>8}")
     for r in results:
         print(f"{r['variant']:<28}{r['step_us']:>9.0f}{floor_us / r['step_us']:>9.0%}{r['graph_replay_us']:>10.0f}"
