@@ -17,7 +17,7 @@ from kernels.triton.pdl import launch_args, wait_previous
 
 MAX_ROWS = 16
 _MAX_STRIPS = 1 << 16  # tickets per device: one per column strip
-_PRELOAD = 1  # weight tiles loaded before the wait (H100: -0.06 ms a Llama-8B step vs 0; RESULTS)
+_PRELOAD = True  # the first weight tile before the wait (H100: -0.06 ms a Llama-8B b=1 step; RESULTS)
 
 
 @triton.jit
@@ -40,9 +40,9 @@ def _skinny_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
 ):
-    """PRELOAD: this many weight tiles (0-2) are loaded before waiting for the kernel ahead
-    (PDL): they do not depend on it, and the kernel ahead (a norm, the attention merge) leaves
-    HBM idle meanwhile."""
+    """PRELOAD: the first weight tile is loaded before waiting for the kernel ahead (PDL): it does
+    not depend on it, and the kernel ahead (a norm, the attention merge) leaves HBM idle
+    meanwhile. (Two tiles measured slower; benchmarks/notes_kernels.md, seventh round.)"""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -57,20 +57,12 @@ def _skinny_gemm_kernel(
     w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k = k_lo
-    if PRELOAD >= 1:
+    if PRELOAD:
         w0 = _weight_tile(w_ptrs, k_hi - k, n_mask, rk, False)
-    if PRELOAD >= 2:
-        w1 = _weight_tile(w_ptrs + BLOCK_K, k_hi - k - BLOCK_K, n_mask, rk, False)
     wait_previous(PDL)
-    if PRELOAD >= 1:
+    if PRELOAD:
         a = _x_tile(x_ptrs, k_hi - k, m_mask, rk, False)
         acc = tl.dot(a, w0, acc)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        k += BLOCK_K
-    if PRELOAD >= 2:
-        a = _x_tile(x_ptrs, k_hi - k, m_mask, rk, False)
-        acc = tl.dot(a, w1, acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         k += BLOCK_K

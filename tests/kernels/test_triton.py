@@ -363,8 +363,8 @@ def test_skinny_linear(rows, n, k, dtype):
         assert out.shape == (rows, n) and out.dtype == dtype
         assert _rel(out, x.double() @ w.double().t()) < TOL[dtype]
     split = _config(n, k, torch.cuda.get_device_properties(0).multi_processor_count)["SPLIT_K"]
-    for cfg_split, preload in [(s, p) for s in {1, 2, 8} - {split} for p in (0, 2)]:
-        # the other reduction paths, and 0 or 2 weight tiles loaded before the wait, same input
+    for cfg_split, preload in [(s, p) for s in {1, 2, 8} - {split} for p in (False, True)]:
+        # the other reduction paths, with and without the weight tile loaded before the wait
         cfg = dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=cfg_split, PRELOAD=preload, num_warps=4, num_stages=3)
         assert _rel(skinny_linear_triton(x, w, cfg), x.double() @ w.double().t()) < TOL[dtype]
 
