@@ -3,9 +3,10 @@
 A kernel launched with PDL may be scheduled while the kernel before it in the stream is still
 running, so it is resident when its predecessor ends instead of being launched then: that takes
 the launch gap off the boundary (decode runs hundreds of small kernels a step). Every kernel of
-ours starts with `wait_previous(PDL)`: it blocks until the previous grid has completed and its
-writes are visible (`griddepcontrol.wait`), then lets the next kernel be scheduled in turn;
-nothing is read or written before it, so the order of effects is the stream's. Kernels that are
+ours calls `wait_previous(PDL)` before it touches anything a kernel ahead may write: it blocks
+until the previous grid has completed and its writes are visible (`griddepcontrol.wait`), then
+lets the next kernel be scheduled in turn, so the order of effects is the stream's. (Only
+reads of what no kernel writes come before it: the decode GEMM's first weight tile.) Kernels that are
 not ours (cuBLAS, torch) are launched without PDL and wait for their predecessor as usual. Off
 on ROCm and on GPUs before Hopper, where the kernels compile without the two instructions.
 """
