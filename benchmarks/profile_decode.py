@@ -273,10 +273,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from engine import SamplingParams
+    from engine.protocol import EngineRequest
     from kernels.triton import pdl
 
     pdl.set_enabled(args.pdl)
-    from engine.protocol import EngineRequest
 
     bw = copy_bandwidth()
     # the synchronous step: its host phases are what this script times

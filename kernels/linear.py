@@ -15,10 +15,6 @@ def set_skinny(enabled: bool) -> None:
     _skinny = enabled
 
 
-def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., K]; weight: [N, K]; bias: [N] or None -> [..., N]."""
     if _skinny and use_triton(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:

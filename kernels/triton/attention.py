@@ -266,7 +266,7 @@ def _merge_splits_kernel(
 
 
 @functools.cache
-def _num_sms(device_index: int) -> int:
+def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -298,7 +298,7 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
         programs = num_seqs * num_kv_heads  # the narrow launch serves one q tile per sequence
     block_n = 128 if small else 64
     splits = 1
-    sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
+    sms = num_sms(q.device.index or 0) if q.is_cuda else 132
     if 0 < programs < 2 * sms:
         splits = triton.next_power_of_2(triton.cdiv(2 * sms, programs))
         max_by_memory = 2**26 // (num_tokens * num_heads * d_pad * 4)  # partials under 64 MiB

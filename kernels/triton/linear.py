@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.attention import num_sms
 from kernels.triton.pdl import launch_args, wait_previous
 
 MAX_ROWS = 16
@@ -94,11 +95,6 @@ def _tickets(device: torch.device) -> torch.Tensor:
     return torch.zeros(_MAX_STRIPS, dtype=torch.int32, device=device)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _config(n: int, k: int, sms: int) -> dict:
     """16-column strips; K split in two until the grid has ~2 programs per SM or a split would be
     under 256 deep; 256-deep K tiles where a split is >= 2048 deep. From an H100 sweep at M=1
@@ -122,7 +118,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, cfg: dict | None
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return out
-    cfg = dict(cfg or _config(n, k, _num_sms(x.device.index if x.device.index is not None else 0)))
+    cfg = dict(cfg or _config(n, k, num_sms(x.device.index or 0)))
     split = cfg.pop("SPLIT_K")
     strips = triton.cdiv(n, cfg["BLOCK_N"])
     if split > 1 and strips > _MAX_STRIPS:
