@@ -11,6 +11,7 @@ import torch
 
 from engine.protocol import TokenLogprobs
 from engine.request import Request
+from kernels.sampling import argmax
 
 
 @dataclass
@@ -127,7 +128,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch, eos_token_ids: set[int]
     if b.any_min_tokens:
         logits = logits.clone()
         _mask_stop_tokens(logits, b.requests, eos_token_ids)
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = argmax(logits)
     if b.all_greedy:
         tokens = greedy_tokens
     else:
@@ -138,7 +139,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch, eos_token_ids: set[int]
         for i, req in enumerate(b.requests):
             if req.generator is not None:
                 q[i].exponential_(generator=req.generator)
-        tokens = torch.where(b.temperature > 0, probs.div(q).argmax(dim=-1), greedy_tokens)
+        tokens = torch.where(b.temperature > 0, argmax(probs.div(q)), greedy_tokens)
     logprobs = None
     if raw_logprobs is not None:
         logprobs = token_logprobs(raw_logprobs, tokens, b.max_logprobs)

@@ -7,17 +7,14 @@ sums them and writes the output, then puts the ticket back to 0, so one launch d
 ticket buffer is clean for the next call. Launched with programmatic dependent launch where the
 GPU has it (kernels/triton/pdl.py), like the norms and activations around it.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.attention import num_sms
+from kernels.triton.device import MAX_TICKETS, num_sms, tickets
 from kernels.triton.pdl import launch_args, wait_previous
 
 MAX_ROWS = 16
-_MAX_STRIPS = 1 << 16  # tickets per device: one per column strip
 _PRELOAD = True  # the first weight tile before the wait (H100: -0.06 ms a Llama-8B b=1 step; RESULTS)
 
 
@@ -90,11 +87,6 @@ def _skinny_gemm_kernel(
             tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
-@functools.cache
-def _tickets(device: torch.device) -> torch.Tensor:
-    return torch.zeros(_MAX_STRIPS, dtype=torch.int32, device=device)
-
-
 def _config(n: int, k: int, sms: int) -> dict:
     """16-column strips; K split in two until the grid has ~2 programs per SM or a split would be
     under 256 deep; 256-deep K tiles where a split is >= 2048 deep. From an H100 sweep at M=1
@@ -118,14 +110,14 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, cfg: dict | None
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return out
-    cfg = dict(cfg or _config(n, k, num_sms(x.device.index or 0)))
+    cfg = dict(cfg or _config(n, k, num_sms(x.device)))
     split = cfg.pop("SPLIT_K")
     strips = triton.cdiv(n, cfg["BLOCK_N"])
-    if split > 1 and strips > _MAX_STRIPS:
+    if split > 1 and strips > MAX_TICKETS:
         split = 1
     part = torch.empty(split, MAX_ROWS, n, device=x.device, dtype=torch.float32) if split > 1 else out
     _skinny_gemm_kernel[(strips, split)](
-        x, weight, out, part, _tickets(x.device), m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, out, part, tickets(x.device), m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=MAX_ROWS, SPLIT_K=split, EVEN_K=k % (split * cfg["BLOCK_K"]) == 0,
         PRELOAD=cfg.pop("PRELOAD", _PRELOAD), **cfg, **launch_args(x),
     )

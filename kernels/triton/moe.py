@@ -21,9 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.device import MAX_TICKETS, tickets
 from kernels.triton.pdl import launch_args, wait_previous
 
 _PAIR_BLOCKS = 16  # at most this many pairs: no grouping, a block per pair (decode)
+# Decode variant, off until measured on a GPU (benchmarks/ab_decode.py switches it): with a block
+# per pair, the last pair of a token to finish an N tile sums the token's rows (no sum launch).
+FUSED_SUM = False
 _SMALL_PAIRS = 1024  # at most this many pairs: one-program grouping kernel
 _CHUNK = 128  # pairs per program (large batches) / per step (small batches)
 
@@ -157,12 +161,33 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int, max_blocks: i
 
 
 @triton.jit
+def _valid_pairs(ids_ptr, token, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
+    """How many of the token's top-k pairs have an expert held here."""
+    slot = tl.arange(0, K_PAD)
+    e = tl.load(ids_ptr + token * TOP_K + slot, mask=slot < TOP_K, other=-1)
+    return tl.sum(((e >= 0) & (e < num_experts)).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _sum_pairs_tile(pair_out_ptr, stride_p, ids_ptr, sum_ptr, token, rn, n_mask, N, num_experts,
+                    TOP_K: tl.constexpr, K_PAD: tl.constexpr):
+    """sum_ptr[token, rn] = the token's pair rows of pair_out at columns rn, summed in float32
+    (pairs whose expert is not held here left out), as _sum_topk_kernel does."""
+    slot = tl.arange(0, K_PAD)
+    e = tl.load(ids_ptr + token * TOP_K + slot, mask=slot < TOP_K, other=-1)
+    valid = (e >= 0) & (e < num_experts)
+    v = tl.load(pair_out_ptr + (token * TOP_K + slot)[:, None] * stride_p + rn[None, :],
+                mask=valid[:, None] & n_mask[None, :], other=0.0, cache_modifier=".cg")
+    tl.store(sum_ptr + token * N + rn, tl.sum(v.to(tl.float32), axis=0).to(sum_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, topk_w_ptr,
-    N, K, stride_am, stride_we, stride_wn, stride_om, num_n_tiles, num_experts,
+    N, K, stride_am, stride_we, stride_wn, stride_om, num_n_tiles, num_experts, sum_ptr, ticket_ptr,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, GATED: tl.constexpr,
     PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, FUSED_SUM: tl.constexpr, K_PAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[rows] = a[rows] @ w[e].T for the BLOCK_M rows of one expert block.
@@ -172,6 +197,8 @@ def _grouped_gemm_kernel(
     SCATTER_OUT: row goes to out[pair] scaled by topk_w[pair], else to the block's own row.
     PAIRS: block b is pair b alone (one row), its expert block_expert_ptr[b] (= topk_ids), and
     its own row is row b.
+    FUSED_SUM (PAIRS and SCATTER_OUT, out = pair rows [T * TOP_K, N]): also sum_ptr[t] = the sum of
+    token t's pair rows: the token's last pair to finish an N tile (ticket_ptr[t, tile]) sums them.
     """
     wait_previous(PDL)
     # N tiles vary fastest: the programs in flight share the block's rows and the expert's weights
@@ -180,6 +207,12 @@ def _grouped_gemm_kernel(
     pid_n = pid % num_n_tiles
     expert = tl.load(block_expert_ptr + block)
     if (expert < 0) | (expert >= num_experts):
+        if FUSED_SUM:  # a token none of whose experts is held here still gets its (zero) row
+            token = (block // TOP_K).to(tl.int64)
+            if (block % TOP_K == 0) & (_valid_pairs(block_expert_ptr, token, num_experts, TOP_K, K_PAD) == 0):
+                rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                tl.store(sum_ptr + token * N + rn, tl.zeros([BLOCK_N], dtype=sum_ptr.dtype.element_ty),
+                         mask=rn < N)
         return
     rm = tl.arange(0, BLOCK_M)
     if PAIRS:
@@ -222,6 +255,15 @@ def _grouped_gemm_kernel(
         out_row = own_row
     tl.store(out_ptr + out_row[:, None] * stride_om + rn[None, :], acc.to(out_ty),
              mask=row_mask[:, None] & n_mask[None, :])
+    if FUSED_SUM:
+        token = (block // TOP_K).to(tl.int64)
+        tl.debug_barrier()  # every thread's part of the row is written before the ticket is taken
+        ticket = ticket_ptr + token * num_n_tiles + pid_n
+        if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == _valid_pairs(
+                block_expert_ptr, token, num_experts, TOP_K, K_PAD) - 1:
+            _sum_pairs_tile(out_ptr, stride_om, block_expert_ptr, sum_ptr, token, rn, n_mask, N, num_experts,
+                            TOP_K, K_PAD)
+            tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -300,21 +342,24 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None):
         act_rows = num_blocks * block_m
     act = torch.empty(act_rows, inter, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(inter, cfg["BLOCK_N1"])
+    k_pad = triton.next_power_of_2(top_k)
     _grouped_gemm_kernel[(num_blocks * n_tiles,)](
         x, w13, act, sorted_pairs, block_expert, block_rows, topk_weights,
         inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), n_tiles, num_experts,
-        GATHER_A=True, SCATTER_OUT=False, GATED=True, PAIRS=pairs, EVEN_K=hidden % meta1["BLOCK_K"] == 0,
-        **meta1, **launch_args(x),
+        out, out, GATHER_A=True, SCATTER_OUT=False, GATED=True, PAIRS=pairs,
+        EVEN_K=hidden % meta1["BLOCK_K"] == 0, FUSED_SUM=False, K_PAD=k_pad, **meta1, **launch_args(x),
     )
     pair_out = torch.empty(num_pairs, hidden, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(hidden, cfg["BLOCK_N2"])
+    fused_sum = cfg.get("FUSED_SUM", FUSED_SUM) and pairs and num_tokens * n_tiles <= MAX_TICKETS
     _grouped_gemm_kernel[(num_blocks * n_tiles,)](
         act, w2, pair_out, sorted_pairs, block_expert, block_rows, topk_weights,
         hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), n_tiles, num_experts,
-        GATHER_A=False, SCATTER_OUT=True, GATED=False, PAIRS=pairs, EVEN_K=inter % meta2["BLOCK_K"] == 0,
-        **meta2, **launch_args(x),
+        out, tickets(x.device), GATHER_A=False, SCATTER_OUT=True, GATED=False, PAIRS=pairs,
+        EVEN_K=inter % meta2["BLOCK_K"] == 0, FUSED_SUM=fused_sum, K_PAD=k_pad, **meta2, **launch_args(x),
     )
-    _sum_topk(pair_out, topk_ids, out, num_experts)
+    if not fused_sum:
+        _sum_topk(pair_out, topk_ids, out, num_experts)
     return out
 
 
