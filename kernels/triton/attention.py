@@ -279,10 +279,10 @@ def _paged_attention_kernel(
         if FUSED_MERGE:
             tl.debug_barrier()  # every thread's partial is written before the ticket is taken
             tile = ticket_ptr + q_block_global * (num_heads // GROUP) + kv_head
-            if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == tl.cdiv(kv_end, chunk) - 1:
+            live = tl.cdiv(kv_end, chunk)  # the splits that had keys
+            if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == live - 1:
                 base = (tok_idx * num_heads + head) * NUM_SPLITS
-                out = _merge_partials(part_acc_ptr, part_ml_ptr, base, row_mask, d_off,
-                                      tl.cdiv(kv_end, chunk), BLOCK_M, D_PAD)
+                out = _merge_partials(part_acc_ptr, part_ml_ptr, base, row_mask, d_off, live, BLOCK_M, D_PAD)
                 tl.store(out_ptr + tok_idx[:, None] * stride_ot + head[:, None] * stride_oh + d_off[None, :],
                          out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
                 tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")

@@ -25,11 +25,11 @@ from kernels.triton.device import MAX_TICKETS, tickets
 from kernels.triton.pdl import launch_args, wait_previous
 
 _PAIR_BLOCKS = 16  # at most this many pairs: no grouping, a block per pair (decode)
+_SMALL_PAIRS = 1024  # at most this many pairs: one-program grouping kernel
+_CHUNK = 128  # pairs per program (large batches) / per step (small batches)
 # Decode variant, off until measured on a GPU (benchmarks/ab_decode.py switches it): with a block
 # per pair, the last pair of a token to finish an N tile sums the token's rows (no sum launch).
 FUSED_SUM = False
-_SMALL_PAIRS = 1024  # at most this many pairs: one-program grouping kernel
-_CHUNK = 128  # pairs per program (large batches) / per step (small batches)
 
 
 @triton.jit
@@ -172,7 +172,7 @@ def _valid_pairs(ids_ptr, token, num_experts, TOP_K: tl.constexpr, K_PAD: tl.con
 def _sum_pairs_tile(pair_out_ptr, stride_p, ids_ptr, sum_ptr, token, rn, n_mask, N, num_experts,
                     TOP_K: tl.constexpr, K_PAD: tl.constexpr):
     """sum_ptr[token, rn] = the token's pair rows of pair_out at columns rn, summed in float32
-    (pairs whose expert is not held here left out), as _sum_topk_kernel does."""
+    (pairs whose expert is not held here left out)."""
     slot = tl.arange(0, K_PAD)
     e = tl.load(ids_ptr + token * TOP_K + slot, mask=slot < TOP_K, other=-1)
     valid = (e >= 0) & (e < num_experts)
@@ -270,15 +270,9 @@ def _grouped_gemm_kernel(
 def _sum_topk_kernel(pair_out_ptr, ids_ptr, out_ptr, H, num_experts,
                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_previous(PDL)
-    t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    slot = tl.arange(0, K_PAD)
-    e = tl.load(ids_ptr + t * TOP_K + slot, mask=slot < TOP_K, other=-1)
-    valid = (e >= 0) & (e < num_experts)
-    v = tl.load(pair_out_ptr + (t * TOP_K + slot)[:, None] * H + cols[None, :],
-                mask=valid[:, None] & (cols < H)[None, :], other=0.0)
-    tl.store(out_ptr + t * H + cols, tl.sum(v.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty),
-             mask=cols < H)
+    _sum_pairs_tile(pair_out_ptr, H, ids_ptr, out_ptr, tl.program_id(0).to(tl.int64), cols, cols < H, H,
+                    num_experts, TOP_K, K_PAD)
 
 
 def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
