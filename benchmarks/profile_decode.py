@@ -164,7 +164,7 @@ def _in_graph_us(fn, copies: int, calls: int = 8) -> float:
 def linear_table(model, batch: int, bw: float) -> list[dict]:
     """Each linear weight of layer 0 (and the LM head) as a GEMM at this batch, timed inside a graph
     of back-to-back calls: cuBLAS, and what the engine runs (kernels.linear: the Triton GEMM at
-    <= 16 rows; the LM head is always cuBLAS)."""
+    <= 16 rows, the LM head included)."""
     from kernels.linear import linear
     layer = model.model.layers[0]
     weights = {n: m.weight for n, m in layer.named_modules() if hasattr(m, "weight") and m.weight is not None
@@ -177,7 +177,7 @@ def linear_table(model, batch: int, bw: float) -> list[dict]:
         x = torch.randn(batch, w.shape[1], device=w.device, dtype=w.dtype)
         calls = 1 if name == "lm_head" else 8
         t = _in_graph_us(lambda i: F.linear(x, ws[i]), copies, calls)
-        t_engine = t if name == "lm_head" else _in_graph_us(lambda i: linear(x, ws[i]), copies, calls)
+        t_engine = _in_graph_us(lambda i: linear(x, ws[i]), copies, calls)
         nbytes = w.numel() * w.element_size()
         rows.append(dict(linear=name, shape=list(w.shape), us=t, of_copy_bw=nbytes / (t * 1e-6) / bw,
                          engine_us=t_engine, engine_of_copy_bw=nbytes / (t_engine * 1e-6) / bw))

@@ -4,6 +4,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.parallel import tp_all_gather, tp_all_reduce, tp_rank, tp_size
+from kernels.linear import linear
+
+# Decode-sized batches' logits on the Triton GEMM like the other linear layers (kernels/linear.py),
+# else torch's; benchmarks/ab_decode.py switches it
+TRITON_LM_HEAD = True
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -36,5 +41,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the full vocabulary: [T, hidden] -> [T, vocab_size]."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight) if TRITON_LM_HEAD else F.linear(hidden, self.weight)
         return tp_all_gather(logits, dim=-1)[:, :self.vocab_size]

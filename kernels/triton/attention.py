@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.device import MAX_TICKETS, num_sms, tickets
+from kernels.triton.device import num_sms
 from kernels.triton.pdl import launch_args, wait_previous
 
 
@@ -137,45 +137,18 @@ def _attend_tiles(
 
 
 @triton.jit
-def _merge_partials(part_acc_ptr, part_ml_ptr, base, row_mask, d_off, live,
-                    BLOCK_M: tl.constexpr, D_PAD: tl.constexpr):
-    """Rows' outputs from their first `live` split partials (base: each row's first partial)."""
-    m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for s in range(0, live):
-        m_max = tl.maximum(m_max, tl.load(part_ml_ptr + (base + s) * 2, mask=row_mask,
-                                          other=float("-inf"), cache_modifier=".cg"))
-    denom = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    for s in range(0, live):
-        m = tl.load(part_ml_ptr + (base + s) * 2, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=row_mask, other=0.0, cache_modifier=".cg")
-        w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
-        denom += w * l
-        part = tl.load(part_acc_ptr + (base + s)[:, None] * D_PAD + d_off[None, :], mask=row_mask[:, None],
-                       other=0.0, cache_modifier=".cg")
-        acc += part * w[:, None]
-    return acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
-
-
-@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     qk_scale, num_seqs, min_q_len, max_q_len,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-    k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, ticket_ptr,
+    k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr, OFFS_32: tl.constexpr, DENSE: tl.constexpr,
-    PRELOAD_KV: tl.constexpr, FUSED_MERGE: tl.constexpr, PDL: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr, OFFS_32: tl.constexpr, DENSE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """PRELOAD_KV (not with DENSE): the first key/value tile's rows from before this step are
-    loaded before waiting for the kernel ahead (which stores this step's rows and q; nothing
-    earlier in the stream is still running then). FUSED_MERGE (NUM_SPLITS > 1): the last split
-    of a tile to finish merges the tile's partials (ticket_ptr), no merge kernel."""
-    if not PRELOAD_KV:
-        wait_previous(PDL)
+    wait_previous(PDL)
     if HEAVY_FIRST:
         # grid (kv heads, q blocks): the last q blocks (most keys under the causal mask) start
         # first, for every head, so the short ones fill the tail
@@ -242,23 +215,7 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     q_ptrs = q_ptr + tok_idx[:, None] * stride_qt + head[:, None] * stride_qh + d_off[None, :]
     q_mask = row_mask[:, None] & d_mask[None, :]
-    if PRELOAD_KV:
-        n = kv_lo + tl.arange(0, BLOCK_N)
-        k_ptrs, v_ptrs = _kv_ptrs(k_base, v_base, bt_row, n, n < kv_hi, d_off, stride_kb, stride_ko,
-                                  stride_vb, stride_vo, True, PAGE, OFFS_32, False)
-        old = (n < tl.minimum(kv_hi, ctx_offset))[:, None] & d_mask[None, :]
-        k = tl.load(k_ptrs, mask=old, other=0.0)
-        v = tl.load(v_ptrs, mask=old, other=0.0)
-        wait_previous(PDL)
-        new = ((n >= ctx_offset) & (n < kv_hi))[:, None] & d_mask[None, :]
-        k = tl.where(new, tl.load(k_ptrs, mask=new, other=0.0), k)
-        v = tl.where(new, tl.load(v_ptrs, mask=new, other=0.0), v)
-        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
-        acc, l_i, m_i = _attend(acc, l_i, m_i, q, k, v, n, q_pos, kv_hi, qk_scale, True)
-        kv_lo = kv_lo + BLOCK_N
-        full_hi = tl.maximum(kv_lo, full_hi)
-    else:
-        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
                                   kv_lo, full_hi, stride_kb, stride_ko, stride_vb, stride_vo,
                                   qk_scale, False, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE)
@@ -276,16 +233,6 @@ def _paged_attention_kernel(
         tl.store(part_acc_ptr + part[:, None] * D_PAD + d_off[None, :], acc, mask=row_mask[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_mask)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_mask)
-        if FUSED_MERGE:
-            tl.debug_barrier()  # every thread's partial is written before the ticket is taken
-            tile = ticket_ptr + q_block_global * (num_heads // GROUP) + kv_head
-            live = tl.cdiv(kv_end, chunk)  # the splits that had keys
-            if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == live - 1:
-                base = (tok_idx * num_heads + head) * NUM_SPLITS
-                out = _merge_partials(part_acc_ptr, part_ml_ptr, base, row_mask, d_off, live, BLOCK_M, D_PAD)
-                tl.store(out_ptr + tok_idx[:, None] * stride_ot + head[:, None] * stride_oh + d_off[None, :],
-                         out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
-                tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -333,10 +280,6 @@ def _merge_splits_kernel(
 
 _ALL_Q = (0, 2**31 - 1)
 
-# Decode-launch variants, off until measured on a GPU (benchmarks/ab_decode.py switches them):
-PRELOAD_KV = False  # the first K/V tile's older rows loaded before the PDL wait
-FUSED_MERGE = False  # split-K partials merged by the last split of a tile, no merge launch
-
 
 def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
                   max_query_len: int | None, kv_bound: int, dense: bool = False) -> list[dict]:
@@ -369,8 +312,7 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
         max_by_memory = 2**26 // (num_tokens * num_heads * d_pad * 4)  # partials under 64 MiB
         splits = min(splits, 64, triton.next_power_of_2(max(1, kv_bound // block_n)))
         splits = max(1, min(splits, 2 ** (max(1, max_by_memory).bit_length() - 1)))
-    narrow = dict(BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=4, num_stages=2,
-                  PRELOAD_KV=PRELOAD_KV, FUSED_MERGE=FUSED_MERGE)
+    narrow = dict(BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=4, num_stages=2)
     if narrow_only:
         return [dict(narrow, Q_RANGE=_ALL_Q)]
     if small and q.element_size() == 2 and dense:
@@ -441,7 +383,6 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         heavy_first = p.get("HEAVY_FIRST", True)
         grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
         dense = p.get("DENSE", False) and dense_kv is not None
-        fused_merge = p.get("FUSED_MERGE", False) and splits > 1 and grid[0] * num_kv_heads <= MAX_TICKETS
         if heavy_first:
             grid = (num_kv_heads, grid[0], splits)
         _paged_attention_kernel[grid](
@@ -451,14 +392,12 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-            tickets(q.device),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=p["BLOCK_N"], HEAD_DIM=head_dim,
             D_PAD=d_pad, PAGE=page, NUM_SPLITS=splits, HEAVY_FIRST=heavy_first,
             OFFS_32=p.get("OFFS_32", offs_32), DENSE=dense,
-            PRELOAD_KV=p.get("PRELOAD_KV", False) and not dense, FUSED_MERGE=fused_merge,
             num_warps=p["num_warps"], num_stages=p["num_stages"], **launch_args(q),
         )
-        if splits > 1 and not fused_merge:
+        if splits > 1:
             _merge_splits_kernel[(num_tokens, num_heads)](
                 out, part_acc, part_ml, query_start_loc, seq_lens, num_seqs, p["Q_RANGE"][1], head_dim,
                 out.stride(0), out.stride(1), NUM_SPLITS=splits, D_PAD=d_pad, BLOCK_Q=block_q,

@@ -27,9 +27,10 @@ from kernels.triton.pdl import launch_args, wait_previous
 _PAIR_BLOCKS = 16  # at most this many pairs: no grouping, a block per pair (decode)
 _SMALL_PAIRS = 1024  # at most this many pairs: one-program grouping kernel
 _CHUNK = 128  # pairs per program (large batches) / per step (small batches)
-# Decode variant, off until measured on a GPU (benchmarks/ab_decode.py switches it): with a block
-# per pair, the last pair of a token to finish an N tile sums the token's rows (no sum launch).
-FUSED_SUM = False
+# With a block per pair, the last pair of a token to finish an N tile sums the token's rows (no
+# sum launch). H100, Qwen3-30B-A3B shape, batch 1: -0.03 ms a decode step (benchmarks/RESULTS.md,
+# A/B of decode variants; benchmarks/ab_decode.py switches it)
+FUSED_SUM = True
 
 
 @triton.jit

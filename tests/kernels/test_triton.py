@@ -349,7 +349,7 @@ def test_pdl_chain_in_graph_matches_without():
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16])
-@pytest.mark.parametrize("n,k", [(4096, 4096), (2048, 4096), (128, 2048), (1000, 1000), (77, 4500)])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (2048, 4096), (128, 2048), (1000, 1000), (77, 4500), (151936, 2048)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_skinny_linear(rows, n, k, dtype):
     """Decode-sized linear layers (the K split and its ticket reduction included) against a float64
@@ -393,3 +393,72 @@ def test_skinny_linear_graph_and_dispatch():
         from kernels.triton.linear import skinny_linear_triton
         skinny_linear_triton(torch.zeros(17, 2048, device=DEVICE, dtype=torch.bfloat16), w)
 
+
+
+
+@pytest.mark.parametrize("model,num_tokens", [("qwen3_30b_a3b", 1), ("qwen3_30b_a3b", 2), ("mixtral_like", 1),
+                                              ("mixtral_like", 7)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_experts_fused_sum(monkeypatch, model, num_tokens, dtype):
+    """The top-k sum done by the second expert GEMM (a block per pair) against the reference and
+    against the separate sum kernel; tokens with experts owned elsewhere, and one with none here
+    (its row must be zero). Two calls, so a ticket left behind would show."""
+    from kernels.triton import moe
+    E, k, H, inter = MOE_SHAPES[model]
+    w13 = (torch.randn(E, 2 * inter, H, device=DEVICE) / math.sqrt(H)).to(dtype)
+    w2 = (torch.randn(E, H, inter, device=DEVICE) / math.sqrt(inter)).to(dtype)
+    for _ in range(2):
+        x = torch.randn(num_tokens, H, device=DEVICE).to(dtype)
+        weights, ids = topk_routing(torch.randn(num_tokens, E, device=DEVICE), k, renormalize=True)
+        ids[0, 0] = -1
+        if num_tokens > 2:
+            ids[2, :] = -1
+        ref = fused_experts_ref(x, w13, w2, weights, ids)
+        monkeypatch.setattr(moe, "FUSED_SUM", False)
+        separate = moe.fused_experts_triton(x, w13, w2, weights, ids)
+        monkeypatch.setattr(moe, "FUSED_SUM", True)
+        _poison(num_tokens * k * H * 8)
+        fused = moe.fused_experts_triton(x, w13, w2, weights, ids)
+        assert _rel(fused, ref) < TOL[dtype]
+        assert _rel(fused, separate) < 1e-3
+        if num_tokens > 2:
+            assert torch.all(fused[2] == 0)
+
+
+ARGMAX_SHAPES = [(1, 128256), (64, 151936), (3, 1000), (5, 4096), (2, 4097), (7, 1), (300, 50)]
+
+
+@pytest.mark.parametrize("shape", ARGMAX_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax(shape, dtype):
+    """One-launch argmax against torch.argmax, with ties across chunks (the first wins), NaN
+    (wins), -inf rows and rows of one repeated value; twice, for the tickets."""
+    from kernels.triton.argmax import argmax_triton
+    n, v = shape
+    for _ in range(2):
+        x = torch.randn(n, v, device=DEVICE).to(dtype)
+        if v > 1:
+            x[0, v - 1] = x[0, v // 3] = x[0].max() + 1  # a tie: the lower index wins
+        if n > 1:
+            x[1, v // 2] = float("nan")
+            x[1, v - 1] = float("nan")
+        if n > 2:
+            x[2] = float("-inf")
+        if n > 3:
+            x[3] = 0.5
+        assert torch.equal(argmax_triton(x), x.argmax(-1))
+        assert torch.equal(argmax_triton(x[:, : max(1, v - 3)]), x[:, : max(1, v - 3)].argmax(-1))  # row stride > cols
+
+
+def test_argmax_in_graph():
+    from kernels.triton.argmax import argmax_triton
+    x = torch.randn(4, 151936, device=DEVICE)
+    argmax_triton(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = argmax_triton(x * 2)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert torch.equal(out, x.argmax(-1))
