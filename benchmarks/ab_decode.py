@@ -12,6 +12,7 @@ what the engine runs by default). Switches (module constants of kernels/):
   argmax   kernels.sampling.TRITON_ARGMAX       one-launch Triton argmax for greedy sampling
   moesum   kernels.triton.moe.FUSED_SUM         top-k sum in the second expert GEMM (MoE only)
   lmhead   engine.layers.embedding.TRITON_LM_HEAD   LM head on the Triton GEMM at <= 16 rows
+  route    kernels.triton.moe.FUSED_ROUTING     router top-k inside the first expert GEMM (MoE only)
 
   python -m benchmarks.ab_decode --models llama3-8b --variants base argmax moesum all
 """
@@ -30,6 +31,7 @@ SWITCHES = {
     "argmax": ("kernels.sampling", "TRITON_ARGMAX"),
     "moesum": ("kernels.triton.moe", "FUSED_SUM"),
     "lmhead": ("engine.layers.embedding", "TRITON_LM_HEAD"),
+    "route": ("kernels.triton.moe", "FUSED_ROUTING"),
 }
 
 
@@ -102,7 +104,8 @@ def main() -> None:
     rows = []
     for name in args.models:
         moe = "moe" in MODELS[name]["model_type"]
-        variants = [v for v in args.variants if moe or "moesum" not in v.split("+")]
+        # the MoE switches change nothing in a dense model: variants of only those are left out
+        variants = [v for v in args.variants if moe or not set(v.split("+")) <= {"moesum", "route"}]
         llm = build(name, max_num_batched_tokens=4096, max_num_seqs=max(8, args.batch), max_model_len=8192,
                     gpu_memory_utilization=0.9, cuda_graph_sizes=(args.batch,), async_scheduling=True,
                     enable_prefix_caching=False)  # every run prefills alike, so greedy tokens compare

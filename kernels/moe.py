@@ -58,3 +58,16 @@ def fused_experts(
         from kernels.triton.moe import fused_experts_triton
         return fused_experts_triton(x, w13, w2, topk_weights, topk_ids)
     return fused_experts_ref(x, w13, w2, topk_weights, topk_ids)
+
+
+def routed_experts(
+    x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+    renormalize: bool, scoring: str = "softmax",
+) -> torch.Tensor:
+    """topk_routing then fused_experts, every expert held here (no expert parallelism); on a GPU
+    at decode sizes the routing happens inside the first expert GEMM."""
+    if use_triton(x):
+        from kernels.triton.moe import routed_experts_triton
+        return routed_experts_triton(x, router_logits, w13, w2, top_k, renormalize, scoring)
+    weights, ids = topk_routing_ref(router_logits, top_k, renormalize, scoring)
+    return fused_experts_ref(x, w13, w2, weights, ids)

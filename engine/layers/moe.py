@@ -10,9 +10,9 @@ from torch import nn
 from engine.config import ParallelConfig
 from engine.layers.linear import ReplicatedLinear
 from engine.parallel import expert_parallel, tp_all_reduce, tp_rank, tp_size
-from kernels.ep import make_dispatcher
+from kernels.ep import NoDispatch, make_dispatcher
 from kernels.ep.placement import local_experts
-from kernels.moe import fused_experts, fused_experts_ref, topk_routing
+from kernels.moe import fused_experts, fused_experts_ref, routed_experts, topk_routing
 
 _EXPERTS_IMPLS = {"triton": fused_experts, "torch": fused_experts_ref}
 
@@ -100,6 +100,11 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
+        if self.experts is fused_experts and isinstance(self.dispatcher, NoDispatch):
+            # all experts here: routing and experts in one call (on a GPU at decode sizes the
+            # first expert GEMM ranks the experts itself)
+            y = routed_experts(x, self.gate(x), self.w13, self.w2, self.top_k, self.renormalize, self.scoring)
+            return tp_all_reduce(y)
         weights, ids = topk_routing(self.gate(x), self.top_k, self.renormalize, self.scoring)
         x, weights, ids, handle = self.dispatcher.dispatch(x, weights, ids)
         y = self.experts(x, self.w13, self.w2, weights, ids)

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from kernels.triton.device import MAX_TICKETS, tickets
 from kernels.triton.pdl import launch_args, wait_previous
+from kernels.triton.routing import _topk_of_rows, check_routing, topk_routing_triton
 
 _PAIR_BLOCKS = 16  # at most this many pairs: no grouping, a block per pair (decode)
 _SMALL_PAIRS = 1024  # at most this many pairs: one-program grouping kernel
@@ -31,6 +32,9 @@ _CHUNK = 128  # pairs per program (large batches) / per step (small batches)
 # sum launch). H100, Qwen3-30B-A3B shape, batch 1: -0.03 ms a decode step (benchmarks/RESULTS.md,
 # A/B of decode variants; benchmarks/ab_decode.py switches it)
 FUSED_SUM = True
+# With a block per pair, the first expert GEMM ranks the router's experts itself (no routing
+# launch); benchmarks/ab_decode.py switches it
+FUSED_ROUTING = True
 
 
 @triton.jit
@@ -186,9 +190,11 @@ def _sum_pairs_tile(pair_out_ptr, stride_p, ids_ptr, sum_ptr, token, rn, n_mask,
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, topk_w_ptr,
     N, K, stride_am, stride_we, stride_wn, stride_om, num_n_tiles, num_experts, sum_ptr, ticket_ptr,
+    logits_ptr, stride_l,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, GATED: tl.constexpr,
     PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, FUSED_SUM: tl.constexpr, K_PAD: tl.constexpr,
+    ROUTE: tl.constexpr, E_PAD: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[rows] = a[rows] @ w[e].T for the BLOCK_M rows of one expert block.
@@ -200,13 +206,28 @@ def _grouped_gemm_kernel(
     its own row is row b.
     FUSED_SUM (PAIRS and SCATTER_OUT, out = pair rows [T * TOP_K, N]): also sum_ptr[t] = the sum of
     token t's pair rows: the token's last pair to finish an N tile (ticket_ptr[t, tile]) sums them.
+    ROUTE (PAIRS, first GEMM, every expert held here): the pair's expert and weight come from the
+    router logits [T, E] (logits_ptr): each program ranks its token's experts as
+    kernels/triton/routing.py does and takes its slot's; the N tile 0 program writes them to
+    block_expert_ptr / topk_w_ptr for the second GEMM. (No routing launch ahead of it.)
     """
     wait_previous(PDL)
     # N tiles vary fastest: the programs in flight share the block's rows and the expert's weights
     pid = tl.program_id(0)
     block = pid // num_n_tiles
     pid_n = pid % num_n_tiles
-    expert = tl.load(block_expert_ptr + block)
+    if ROUTE:
+        ex = tl.arange(0, E_PAD)
+        logits = tl.load(logits_ptr + (block // TOP_K).to(tl.int64) * stride_l + ex[None, :],
+                         mask=(ex < num_experts)[None, :], other=float("-inf")).to(tl.float32)
+        top_w, top_id = _topk_of_rows(logits, ex, ex < num_experts, TOP_K, K_PAD, E_PAD, SOFTMAX, RENORMALIZE)
+        mine = tl.arange(0, K_PAD)[None, :] == block % TOP_K
+        expert = tl.sum(tl.sum(tl.where(mine, top_id, 0), axis=1), axis=0)
+        if pid_n == 0:
+            tl.store(block_expert_ptr + block, expert)
+            tl.store(topk_w_ptr + block, tl.sum(tl.sum(tl.where(mine, top_w, 0.0), axis=1), axis=0))
+    else:
+        expert = tl.load(block_expert_ptr + block)
     if (expert < 0) | (expert >= num_experts):
         if FUSED_SUM:  # a token none of whose experts is held here still gets its (zero) row
             token = (block // TOP_K).to(tl.int64)
@@ -303,8 +324,28 @@ def fused_experts_triton(
     return _fused_experts(x, w13, w2, topk_weights, topk_ids)
 
 
-def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None):
-    """fused_experts_triton with an optional explicit tile config (benchmark sweeps)."""
+def routed_experts_triton(
+    x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+    renormalize: bool, scoring: str = "softmax",
+) -> torch.Tensor:
+    """topk_routing_triton, then fused_experts_triton, every expert held here. With a block per
+    pair (decode) and FUSED_ROUTING, the first expert GEMM ranks the experts itself: one launch
+    fewer, the same weights and experts."""
+    check_routing(router_logits, top_k, scoring)
+    num_tokens = x.shape[0]
+    if not (FUSED_ROUTING and 0 < num_tokens * top_k <= _PAIR_BLOCKS):
+        weights, ids = topk_routing_triton(router_logits, top_k, renormalize, scoring)
+        return _fused_experts(x, w13, w2, weights, ids)
+    weights = torch.empty(num_tokens, top_k, device=x.device, dtype=torch.float32)
+    ids = torch.empty(num_tokens, top_k, device=x.device, dtype=torch.int32)
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    return _fused_experts(x, w13, w2, weights, ids, router=(logits, renormalize, scoring == "softmax"))
+
+
+def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, router: tuple | None = None):
+    """fused_experts_triton with an optional explicit tile config (benchmark sweeps). router =
+    (logits [T, E], renormalize, softmax): topk_weights / topk_ids are outputs, filled by the
+    first GEMM (a block per pair only)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -327,6 +368,11 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None):
                     for i in (1, 2))
 
     pairs = cfg.get("PAIRS", num_pairs <= _PAIR_BLOCKS)
+    if router is not None and not pairs:
+        raise ValueError("routing in the expert GEMM needs a block per pair")
+    logits, renormalize, softmax = router if router is not None else (out, False, True)
+    route = dict(ROUTE=router is not None, E_PAD=triton.next_power_of_2(num_experts), SOFTMAX=softmax,
+                 RENORMALIZE=renormalize)
     if pairs:
         # A block per pair (its expert read in the kernel): no grouping launch.
         num_blocks, act_rows = num_pairs, num_pairs
@@ -341,8 +387,8 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None):
     _grouped_gemm_kernel[(num_blocks * n_tiles,)](
         x, w13, act, sorted_pairs, block_expert, block_rows, topk_weights,
         inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), n_tiles, num_experts,
-        out, out, GATHER_A=True, SCATTER_OUT=False, GATED=True, PAIRS=pairs,
-        EVEN_K=hidden % meta1["BLOCK_K"] == 0, FUSED_SUM=False, K_PAD=k_pad, **meta1, **launch_args(x),
+        out, out, logits, logits.stride(0), GATHER_A=True, SCATTER_OUT=False, GATED=True, PAIRS=pairs,
+        EVEN_K=hidden % meta1["BLOCK_K"] == 0, FUSED_SUM=False, K_PAD=k_pad, **route, **meta1, **launch_args(x),
     )
     pair_out = torch.empty(num_pairs, hidden, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(hidden, cfg["BLOCK_N2"])
@@ -350,8 +396,9 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None):
     _grouped_gemm_kernel[(num_blocks * n_tiles,)](
         act, w2, pair_out, sorted_pairs, block_expert, block_rows, topk_weights,
         hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), n_tiles, num_experts,
-        out, tickets(x.device), GATHER_A=False, SCATTER_OUT=True, GATED=False, PAIRS=pairs,
-        EVEN_K=inter % meta2["BLOCK_K"] == 0, FUSED_SUM=fused_sum, K_PAD=k_pad, **meta2, **launch_args(x),
+        out, tickets(x.device), out, 0, GATHER_A=False, SCATTER_OUT=True, GATED=False, PAIRS=pairs,
+        EVEN_K=inter % meta2["BLOCK_K"] == 0, FUSED_SUM=fused_sum, K_PAD=k_pad,
+        **dict(route, ROUTE=False), **meta2, **launch_args(x),
     )
     if not fused_sum:
         _sum_topk(pair_out, topk_ids, out, num_experts)

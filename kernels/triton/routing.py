@@ -13,6 +13,33 @@ from kernels.triton.pdl import launch_args, wait_previous
 
 
 @triton.jit
+def _topk_of_rows(x, ex, ex_ok, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                  SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """x: [R, E_PAD] float32 logits (-inf past the experts) -> (weights, ids), [R, K_PAD] each
+    (slots past TOP_K hold zeros)."""
+    if SOFTMAX:
+        m = tl.max(x, axis=1)
+        m = tl.where(m == float("-inf"), 0.0, m)  # rows past the batch
+        p = tl.exp(x - m[:, None])
+        scores = p / tl.sum(p, axis=1)[:, None]
+    else:
+        scores = tl.sigmoid(x)
+    scores = tl.where(ex_ok[None, :], scores, -1.0)  # padding experts are never chosen
+    k = tl.arange(0, K_PAD)
+    top_w = tl.zeros([x.shape[0], K_PAD], dtype=tl.float32)
+    top_id = tl.zeros([x.shape[0], K_PAD], dtype=tl.int32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(scores, axis=1)
+        idx = tl.min(tl.where(scores == best[:, None], ex[None, :], E_PAD), axis=1)
+        top_w = tl.where(k[None, :] == i, best[:, None], top_w)
+        top_id = tl.where(k[None, :] == i, idx[:, None], top_id)
+        scores = tl.where(ex[None, :] == idx[:, None], -2.0, scores)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
+    return top_w, top_id
+
+
+@triton.jit
 def _topk_routing_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_t,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr,
@@ -26,40 +53,27 @@ def _topk_routing_kernel(
     ex_ok = ex < num_experts
     x = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_t + ex[None, :],
                 mask=row_ok[:, None] & ex_ok[None, :], other=float("-inf")).to(tl.float32)
-    if SOFTMAX:
-        m = tl.max(x, axis=1)
-        m = tl.where(m == float("-inf"), 0.0, m)  # rows past the batch
-        p = tl.exp(x - m[:, None])
-        scores = p / tl.sum(p, axis=1)[:, None]
-    else:
-        scores = tl.sigmoid(x)
-    scores = tl.where(ex_ok[None, :], scores, -1.0)  # padding experts are never chosen
+    top_w, top_id = _topk_of_rows(x, ex, ex_ok, TOP_K, K_PAD, E_PAD, SOFTMAX, RENORMALIZE)
     k = tl.arange(0, K_PAD)
-    top_w = tl.zeros([ROWS, K_PAD], dtype=tl.float32)
-    top_id = tl.zeros([ROWS, K_PAD], dtype=tl.int32)
-    for i in tl.static_range(TOP_K):
-        best = tl.max(scores, axis=1)
-        idx = tl.min(tl.where(scores == best[:, None], ex[None, :], E_PAD), axis=1)
-        top_w = tl.where(k[None, :] == i, best[:, None], top_w)
-        top_id = tl.where(k[None, :] == i, idx[:, None], top_id)
-        scores = tl.where(ex[None, :] == idx[:, None], -2.0, scores)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
     out = rows.to(tl.int64)[:, None] * TOP_K + k[None, :]
     mask = row_ok[:, None] & (k < TOP_K)[None, :]
     tl.store(weights_ptr + out, top_w, mask=mask)
     tl.store(ids_ptr + out, top_id, mask=mask)
 
 
+def check_routing(router_logits: torch.Tensor, top_k: int, scoring: str) -> None:
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"unknown MoE scoring function {scoring!r}; expected 'softmax' or 'sigmoid'")
+    if top_k > router_logits.shape[-1]:
+        raise ValueError(f"top_k {top_k} is larger than the number of experts {router_logits.shape[-1]}")
+
+
 def topk_routing_triton(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits: [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int32)."""
-    if scoring not in ("softmax", "sigmoid"):
-        raise ValueError(f"unknown MoE scoring function {scoring!r}; expected 'softmax' or 'sigmoid'")
+    check_routing(router_logits, top_k, scoring)
     num_tokens, num_experts = router_logits.shape
-    if top_k > num_experts:
-        raise ValueError(f"top_k {top_k} is larger than the number of experts {num_experts}")
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     weights = torch.empty(num_tokens, top_k, device=logits.device, dtype=torch.float32)
     ids = torch.empty(num_tokens, top_k, device=logits.device, dtype=torch.int32)

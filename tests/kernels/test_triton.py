@@ -425,6 +425,30 @@ def test_fused_experts_fused_sum(monkeypatch, model, num_tokens, dtype):
             assert torch.all(fused[2] == 0)
 
 
+
+@pytest.mark.parametrize("model,num_tokens", [("qwen3_30b_a3b", 1), ("qwen3_30b_a3b", 2), ("mixtral_like", 7),
+                                              ("qwen3_30b_a3b", 5)])
+@pytest.mark.parametrize("scoring,renormalize", [("softmax", True), ("softmax", False), ("sigmoid", True)])
+def test_routed_experts(monkeypatch, model, num_tokens, scoring, renormalize):
+    """Routing inside the first expert GEMM (a block per pair) gives the bits of the routing
+    launch + experts, and matches the reference; ties in the logits go to the lower expert.
+    5 tokens x top-8 is past a block per pair: the routing launch runs either way."""
+    from kernels.triton import moe
+    E, k, H, inter = MOE_SHAPES[model]
+    w13 = (torch.randn(E, 2 * inter, H, device=DEVICE) / math.sqrt(H)).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, inter, device=DEVICE) / math.sqrt(inter)).to(torch.bfloat16)
+    for _ in range(2):
+        x = torch.randn(num_tokens, H, device=DEVICE).to(torch.bfloat16)
+        logits = torch.randn(num_tokens, E, device=DEVICE).to(torch.bfloat16)
+        logits[0, 5] = logits[0, 2] = logits[0].max() + 1
+        fused = moe.routed_experts_triton(x, logits, w13, w2, k, renormalize, scoring)
+        monkeypatch.setattr(moe, "FUSED_ROUTING", False)
+        separate = moe.routed_experts_triton(x, logits, w13, w2, k, renormalize, scoring)
+        monkeypatch.setattr(moe, "FUSED_ROUTING", True)
+        assert torch.equal(fused, separate)
+        weights, ids = topk_routing_ref(logits, k, renormalize, scoring)
+        assert _rel(fused, fused_experts_ref(x, w13, w2, weights, ids)) < TOL[torch.bfloat16]
+
 ARGMAX_SHAPES = [(1, 128256), (64, 151936), (3, 1000), (5, 4096), (2, 4097), (7, 1), (300, 50)]
 
 
