@@ -1,0 +1,124 @@
+"""The Triton kernels' logic on CPU, in Triton's interpreter: the decode-path kernels the engine
+runs on a GPU by default (argmax, the decode GEMM with its split-K tickets, routing inside the
+expert GEMM and the fused top-k sum, paged attention with split-K) against their torch
+references, so CI without a GPU checks them too. Timing, PDL and tile scheduling are a GPU's;
+tests/kernels/test_triton.py checks those there.
+
+One child process runs every case (TRITON_INTERPRET is read when the kernels are defined, so it
+must be set before they are imported). Inputs are fp16/fp32 only: the interpreter's bf16 dot
+multiplies raw bits (Triton 3.9).
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+CASES = ["argmax", "argmax_split_ties_nan", "skinny_gemm", "skinny_gemm_split", "topk_routing",
+         "routed_experts_decode", "routed_experts_no_local_expert", "paged_attention_split"]
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def run_case(name: str) -> None:
+    """Raises AssertionError when the kernel disagrees with its reference."""
+    torch.manual_seed(0)
+    if name.startswith("argmax"):
+        from kernels.triton.argmax import argmax_triton
+        x = torch.randn(3, 1000) if name == "argmax" else torch.randn(4, 9000)  # 9000: 3 chunks + ticket
+        if name != "argmax":
+            x[0, 8999] = x[0, 10] = x[0].max() + 1  # tie across chunks: the first wins
+            x[1, 5000] = float("nan")
+            x[2] = float("-inf")
+        for _ in range(2):  # the second call sees the tickets the first put back
+            assert torch.equal(argmax_triton(x), x.argmax(-1)), (argmax_triton(x), x.argmax(-1))
+    elif name.startswith("skinny_gemm"):
+        from kernels.triton.linear import skinny_linear_triton
+        m, n, k = (1, 64, 512) if name == "skinny_gemm" else (3, 40, 4096)  # 40 x 4096: K split in 16
+        w = (torch.randn(n, k) / k**0.5).half()
+        for _ in range(2):
+            x = torch.randn(m, k).half()
+            assert _rel(skinny_linear_triton(x, w), x.double() @ w.double().t()) < 5e-3
+    elif name == "topk_routing":
+        from kernels.moe import topk_routing_ref
+        from kernels.triton.routing import topk_routing_triton
+        logits = torch.randn(5, 16)
+        logits[0, 3] = logits[0, 9] = logits[0].max() + 1
+        for scoring, renorm in [("softmax", True), ("sigmoid", False)]:
+            w, ids = topk_routing_triton(logits, 4, renorm, scoring)
+            w_ref, ids_ref = topk_routing_ref(logits, 4, renorm, scoring)
+            assert torch.equal(ids, ids_ref) and torch.allclose(w, w_ref, atol=1e-6), (scoring, ids, ids_ref)
+    elif name.startswith("routed_experts"):
+        from kernels.moe import fused_experts_ref, topk_routing_ref
+        from kernels.triton import moe
+        E, k, H, inter = 16, 4, 64, 32
+        w13 = (torch.randn(E, 2 * inter, H) / H**0.5).half()
+        w2 = (torch.randn(E, H, inter) / inter**0.5).half()
+        if name == "routed_experts_decode":  # routing in the first GEMM, sum in the second
+            for tokens, scoring in [(1, "softmax"), (3, "sigmoid")]:
+                x, logits = torch.randn(tokens, H).half(), torch.randn(tokens, E).half()
+                out = moe.routed_experts_triton(x, logits, w13, w2, k, True, scoring)
+                w, ids = topk_routing_ref(logits, k, True, scoring)
+                assert _rel(out, fused_experts_ref(x, w13, w2, w, ids)) < 5e-3, tokens
+                moe.FUSED_ROUTING, moe.FUSED_SUM = False, False
+                try:
+                    assert torch.equal(out, moe.routed_experts_triton(x, logits, w13, w2, k, True, scoring))
+                finally:
+                    moe.FUSED_ROUTING, moe.FUSED_SUM = True, True
+        else:  # expert parallel: a token with no expert held here gets a zero row from the fused sum
+            x = torch.randn(3, H).half()
+            w, ids = topk_routing_ref(torch.randn(3, E), k, True)
+            ids[0, 1] = -1
+            ids[2, :] = -1
+            out = moe.fused_experts_triton(x, w13, w2, w, ids)
+            assert _rel(out, fused_experts_ref(x, w13, w2, w, ids)) < 5e-3 and torch.all(out[2] == 0)
+    elif name == "paged_attention_split":
+        from kernels.attention import paged_attention_ref
+        from kernels.triton.attention import paged_attention_triton
+        bs, hq, hk, d = 16, 4, 2, 32
+        kc, vc = torch.randn(12, bs, hk, d).half(), torch.randn(12, bs, hk, d).half()
+        bt = torch.tensor([[3, 5, 7, 0, 9], [1, 2, 0, 0, 0]], dtype=torch.int32)
+        q = torch.randn(2, hq, d).half()
+        seq_lens = torch.tensor([70, 17], dtype=torch.int32)
+        qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+        out = paged_attention_triton(q, kc, vc, bt, seq_lens, qsl, 0.2, 1, 80)
+        assert _rel(out, paged_attention_ref(q, kc, vc, bt, seq_lens, qsl, 0.2)) < 5e-3
+    else:
+        raise ValueError(f"unknown case {name}")
+
+
+def _main() -> None:
+    for name in CASES:
+        try:
+            run_case(name)
+            error = ""
+        except AssertionError as e:
+            error = f"mismatch: {e}"
+        print(json.dumps({"case": name, "error": error}), flush=True)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, str]:
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_triton_interpreter"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode:
+        pytest.fail(f"interpreter run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {r["case"]: r["error"] for r in map(json.loads, lines)}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_in_interpreter(results, case):
+    assert case in results, f"{case} did not run"
+    assert results[case] == "", results[case]
+
+
+if __name__ == "__main__":
+    _main()
