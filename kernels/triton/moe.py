@@ -23,7 +23,7 @@ import triton.language as tl
 
 from kernels.triton.device import MAX_TICKETS, tickets
 from kernels.triton.pdl import launch_args, wait_previous
-from kernels.triton.routing import _topk_of_rows, check_routing, topk_routing_triton
+from kernels.triton.routing import topk_of_rows, check_routing, topk_routing_triton
 
 _PAIR_BLOCKS = 16  # at most this many pairs: no grouping, a block per pair (decode)
 _SMALL_PAIRS = 1024  # at most this many pairs: one-program grouping kernel
@@ -220,7 +220,7 @@ def _grouped_gemm_kernel(
         ex = tl.arange(0, E_PAD)
         logits = tl.load(logits_ptr + (block // TOP_K).to(tl.int64) * stride_l + ex[None, :],
                          mask=(ex < num_experts)[None, :], other=float("-inf")).to(tl.float32)
-        top_w, top_id = _topk_of_rows(logits, ex, ex < num_experts, TOP_K, K_PAD, E_PAD, SOFTMAX, RENORMALIZE)
+        top_w, top_id = topk_of_rows(logits, ex, ex < num_experts, TOP_K, K_PAD, E_PAD, SOFTMAX, RENORMALIZE)
         mine = tl.arange(0, K_PAD)[None, :] == block % TOP_K
         expert = tl.sum(tl.sum(tl.where(mine, top_id, 0), axis=1), axis=0)
         if pid_n == 0:

@@ -13,7 +13,7 @@ from kernels.triton.pdl import launch_args, wait_previous
 
 
 @triton.jit
-def _topk_of_rows(x, ex, ex_ok, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+def topk_of_rows(x, ex, ex_ok, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                   SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr):
     """x: [R, E_PAD] float32 logits (-inf past the experts) -> (weights, ids), [R, K_PAD] each
     (slots past TOP_K hold zeros)."""
@@ -53,7 +53,7 @@ def _topk_routing_kernel(
     ex_ok = ex < num_experts
     x = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_t + ex[None, :],
                 mask=row_ok[:, None] & ex_ok[None, :], other=float("-inf")).to(tl.float32)
-    top_w, top_id = _topk_of_rows(x, ex, ex_ok, TOP_K, K_PAD, E_PAD, SOFTMAX, RENORMALIZE)
+    top_w, top_id = topk_of_rows(x, ex, ex_ok, TOP_K, K_PAD, E_PAD, SOFTMAX, RENORMALIZE)
     k = tl.arange(0, K_PAD)
     out = rows.to(tl.int64)[:, None] * TOP_K + k[None, :]
     mask = row_ok[:, None] & (k < TOP_K)[None, :]
