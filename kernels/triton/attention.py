@@ -67,49 +67,6 @@ def store_kvcache_triton(
 
 
 @triton.jit
-def _kv_ptrs(k_base, v_base, bt_row, n, in_range, d_off, stride_kb, stride_ko, stride_vb, stride_vo,
-             MASKED: tl.constexpr, PAGE: tl.constexpr, OFFS_32: tl.constexpr, DENSE: tl.constexpr):
-    """Pointers to the K and V rows of context positions n ([BLOCK_N]); in_range: the positions
-    whose block-table entry may be read (only looked at when MASKED)."""
-    if DENSE:
-        row = n if OFFS_32 else n.to(tl.int64)
-        k_ptrs = k_base + row[:, None] * stride_ko + d_off[None, :]
-        v_ptrs = v_base + row[:, None] * stride_vo + d_off[None, :]
-    else:
-        if MASKED:
-            block = tl.load(bt_row + n // PAGE, mask=in_range, other=0)
-        else:
-            block = tl.load(bt_row + n // PAGE)
-        if OFFS_32:
-            off = n % PAGE
-        else:
-            block = block.to(tl.int64)
-            off = (n % PAGE).to(tl.int64)
-        k_ptrs = k_base + block[:, None] * stride_kb + off[:, None] * stride_ko + d_off[None, :]
-        v_ptrs = v_base + block[:, None] * stride_vb + off[:, None] * stride_vo + d_off[None, :]
-    return k_ptrs, v_ptrs
-
-
-@triton.jit
-def _attend(acc, l_i, m_i, q, k, v, n, q_pos, hi, qk_scale, MASKED: tl.constexpr):
-    """One key tile (positions n) into the online softmax; MASKED applies the causal mask and
-    the hi bound."""
-    s = tl.dot(q, tl.trans(k.to(q.dtype)))
-    if MASKED:
-        s = tl.where((n[None, :] <= q_pos[:, None]) & (n < hi)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-        m_safe = m_new
-    p = tl.exp2(s * qk_scale - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
-    return acc, l_i, m_new
-
-
-@triton.jit
 def _attend_tiles(
     acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos, lo, hi,
     stride_kb, stride_ko, stride_vb, stride_vo, qk_scale,
@@ -122,17 +79,46 @@ def _attend_tiles(
     from k_base / v_base (row strides stride_ko / stride_vo), no block table."""
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        in_range = n < hi
-        k_ptrs, v_ptrs = _kv_ptrs(k_base, v_base, bt_row, n, in_range, d_off, stride_kb, stride_ko,
-                                  stride_vb, stride_vo, MASKED, PAGE, OFFS_32, DENSE)
+        if MASKED:
+            in_range = n < hi
+            kv_mask = in_range[:, None] & d_mask[None, :]
+        else:
+            kv_mask = d_mask[None, :]
+        if DENSE:
+            row = n if OFFS_32 else n.to(tl.int64)
+            k_ptrs = k_base + row[:, None] * stride_ko + d_off[None, :]
+            v_ptrs = v_base + row[:, None] * stride_vo + d_off[None, :]
+        else:
+            if MASKED:
+                block = tl.load(bt_row + n // PAGE, mask=in_range, other=0)
+            else:
+                block = tl.load(bt_row + n // PAGE)
+            if OFFS_32:
+                off = n % PAGE
+            else:
+                block = block.to(tl.int64)
+                off = (n % PAGE).to(tl.int64)
+            k_ptrs = k_base + block[:, None] * stride_kb + off[:, None] * stride_ko + d_off[None, :]
+            v_ptrs = v_base + block[:, None] * stride_vb + off[:, None] * stride_vo + d_off[None, :]
         if EVEN_D and not MASKED:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
         else:
-            kv_mask = (in_range[:, None] & d_mask[None, :]) if MASKED else d_mask[None, :]
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        acc, l_i, m_i = _attend(acc, l_i, m_i, q, k, v, n, q_pos, hi, qk_scale, MASKED)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        if MASKED:
+            s = tl.where((n[None, :] <= q_pos[:, None]) & in_range[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+            m_safe = m_new
+        p = tl.exp2(s * qk_scale - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
+        m_i = m_new
     return acc, l_i, m_i
 
 
@@ -146,7 +132,8 @@ def _paged_attention_kernel(
     k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr, OFFS_32: tl.constexpr, DENSE: tl.constexpr, PDL: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr, OFFS_32: tl.constexpr, DENSE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_previous(PDL)
     if HEAVY_FIRST:
@@ -187,6 +174,8 @@ def _paged_attention_kernel(
     tok_idx = (q_start + tok).to(tl.int64)
     d_off = tl.arange(0, D_PAD)
     d_mask = d_off < HEAD_DIM
+    q = tl.load(q_ptr + tok_idx[:, None] * stride_qt + head[:, None] * stride_qh + d_off[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
 
     # Keys this tile can see: [0, kv_end); all of its rows see [0, first_pos].
     kv_end = tl.minimum(ctx_len, ctx_offset + tl.minimum(q_len, (q_block + 1) * BLOCK_Q))
@@ -213,9 +202,6 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    q_ptrs = q_ptr + tok_idx[:, None] * stride_qt + head[:, None] * stride_qh + d_off[None, :]
-    q_mask = row_mask[:, None] & d_mask[None, :]
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
                                   kv_lo, full_hi, stride_kb, stride_ko, stride_vb, stride_vo,
                                   qk_scale, False, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE)
@@ -382,7 +368,6 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             part_acc = part_ml = out  # unused
         heavy_first = p.get("HEAVY_FIRST", True)
         grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
-        dense = p.get("DENSE", False) and dense_kv is not None
         if heavy_first:
             grid = (num_kv_heads, grid[0], splits)
         _paged_attention_kernel[grid](
@@ -394,7 +379,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=p["BLOCK_N"], HEAD_DIM=head_dim,
             D_PAD=d_pad, PAGE=page, NUM_SPLITS=splits, HEAVY_FIRST=heavy_first,
-            OFFS_32=p.get("OFFS_32", offs_32), DENSE=dense,
+            OFFS_32=p.get("OFFS_32", offs_32), DENSE=p.get("DENSE", False) and dense_kv is not None,
             num_warps=p["num_warps"], num_stages=p["num_stages"], **launch_args(q),
         )
         if splits > 1:

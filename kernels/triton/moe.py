@@ -23,7 +23,7 @@ import triton.language as tl
 
 from kernels.triton.device import MAX_TICKETS, tickets
 from kernels.triton.pdl import launch_args, wait_previous
-from kernels.triton.routing import topk_of_rows, check_routing, topk_routing_triton
+from kernels.triton.routing import check_routing, topk_of_rows, topk_routing_triton
 
 _PAIR_BLOCKS = 16  # at most this many pairs: no grouping, a block per pair (decode)
 _SMALL_PAIRS = 1024  # at most this many pairs: one-program grouping kernel
@@ -166,11 +166,18 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int, max_blocks: i
 
 
 @triton.jit
-def _valid_pairs(ids_ptr, token, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
-    """How many of the token's top-k pairs have an expert held here."""
+def _held_slots(ids_ptr, token, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
+    """(slots, held): the token's top-k slots [K_PAD] and which of them have an expert held here."""
     slot = tl.arange(0, K_PAD)
     e = tl.load(ids_ptr + token * TOP_K + slot, mask=slot < TOP_K, other=-1)
-    return tl.sum(((e >= 0) & (e < num_experts)).to(tl.int32), axis=0)
+    return slot, (e >= 0) & (e < num_experts)
+
+
+@triton.jit
+def _valid_pairs(ids_ptr, token, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
+    """How many of the token's top-k pairs have an expert held here."""
+    _, valid = _held_slots(ids_ptr, token, num_experts, TOP_K, K_PAD)
+    return tl.sum(valid.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -178,9 +185,7 @@ def _sum_pairs_tile(pair_out_ptr, stride_p, ids_ptr, sum_ptr, token, rn, n_mask,
                     TOP_K: tl.constexpr, K_PAD: tl.constexpr):
     """sum_ptr[token, rn] = the token's pair rows of pair_out at columns rn, summed in float32
     (pairs whose expert is not held here left out)."""
-    slot = tl.arange(0, K_PAD)
-    e = tl.load(ids_ptr + token * TOP_K + slot, mask=slot < TOP_K, other=-1)
-    valid = (e >= 0) & (e < num_experts)
+    slot, valid = _held_slots(ids_ptr, token, num_experts, TOP_K, K_PAD)
     v = tl.load(pair_out_ptr + (token * TOP_K + slot)[:, None] * stride_p + rn[None, :],
                 mask=valid[:, None] & n_mask[None, :], other=0.0, cache_modifier=".cg")
     tl.store(sum_ptr + token * N + rn, tl.sum(v.to(tl.float32), axis=0).to(sum_ptr.dtype.element_ty), mask=n_mask)
@@ -331,11 +336,11 @@ def routed_experts_triton(
     """topk_routing_triton, then fused_experts_triton, every expert held here. With a block per
     pair (decode) and FUSED_ROUTING, the first expert GEMM ranks the experts itself: one launch
     fewer, the same weights and experts."""
-    check_routing(router_logits, top_k, scoring)
     num_tokens = x.shape[0]
     if not (FUSED_ROUTING and 0 < num_tokens * top_k <= _PAIR_BLOCKS):
         weights, ids = topk_routing_triton(router_logits, top_k, renormalize, scoring)
         return _fused_experts(x, w13, w2, weights, ids)
+    check_routing(router_logits, top_k, scoring)  # (topk_routing_triton checks on the other path)
     weights = torch.empty(num_tokens, top_k, device=x.device, dtype=torch.float32)
     ids = torch.empty(num_tokens, top_k, device=x.device, dtype=torch.int32)
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
