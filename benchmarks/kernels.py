@@ -110,6 +110,11 @@ def bench_attention():
         t_ref = bench(lambda: sdpa(qs, k, v, True))
         flops = 4 * HQ * D * ctx * (ctx + 1) / 2
         record("attn_prefill", f"T={ctx} causal", t, t_ref, 4 * q.numel() * 2, flops, "sdpa(gqa,causal)")
+        # torch doing the same work: the keys and values gathered through the block table first
+        gathered = lambda c: c[bt[0]].view(-1, HK, D)[:ctx].transpose(0, 1).unsqueeze(0)  # noqa: E731
+        t_same = bench(lambda: sdpa(qs, gathered(kc), gathered(vc), True))
+        record("attn_prefill", f"T={ctx} causal (vs gather+sdpa)", t, t_same, 4 * q.numel() * 2, flops,
+               "gather+sdpa(gqa,causal)")
         # a fresh prefill as the engine runs it: keys and values read from the new rows, which sit
         # in the qkv projection's output ([T, Hq + 2 Hk, D]), instead of through the block table
         qkv = torch.randn(ctx, HQ + 2 * HK, D, device=DEV, dtype=BF16)
@@ -117,6 +122,19 @@ def bench_attention():
         t = bench(lambda: paged_attention_triton(q, kc, vc, bt, sl, qsl, D**-0.5, ctx, ctx, dense_kv=dense))
         record("attn_prefill", f"T={ctx} causal, new k/v rows", t, t_ref, 4 * q.numel() * 2, flops,
                "sdpa(gqa,causal)")
+    # a chunked-prefill continuation: 512 new tokens behind 3584 tokens of context, against torch
+    # doing the same work (gather through the block table, SDPA with the offset causal mask)
+    ctx, chunk = 4096, 512
+    q, kc, vc, bt, sl, qsl = paged_setup(1, ctx, chunk)
+    t = bench(lambda: paged_attention_triton(q, kc, vc, bt, sl, qsl, D**-0.5, chunk, ctx))
+    qs = q.view(1, chunk, HQ, D).transpose(1, 2)
+    mask = torch.arange(ctx, device=DEV)[None, :] <= torch.arange(ctx - chunk, ctx, device=DEV)[:, None]
+    gathered = lambda c: c[bt[0]].view(-1, HK, D)[:ctx].transpose(0, 1).unsqueeze(0)  # noqa: E731
+    t_ref = bench(lambda: F.scaled_dot_product_attention(qs, gathered(kc), gathered(vc), attn_mask=mask,
+                                                         enable_gqa=True))
+    flops = 4 * HQ * D * chunk * (ctx - chunk + (chunk + 1) / 2)
+    record("attn_chunk", f"{chunk} new @ {ctx} ctx", t, t_ref, 2 * ctx * HK * D * 2 * 2, flops,
+           "gather+sdpa(gqa,mask)")
     # 4 chunked-prefill chunks of 512 behind 3584 tokens of context, plus 60 decodes at 2k
     q_lens, ctx_lens = [512] * 4 + [1] * 60, [4096] * 4 + [2048] * 60
     blocks = [-(-c // PAGE) for c in ctx_lens]
@@ -256,7 +274,8 @@ def bench_moe():
 
 
 def sweep_attention():
-    """Variants of the prefill attention kernel (tiles, grid order, 32-bit offsets)."""
+    """Variants of the prefill attention kernel (tiles, warps, stages, grid order, 32-bit
+    offsets), for keys read through the block table (paged) and from the new rows (dense)."""
     ctx = 4096
     q, kc, vc, bt, sl, qsl = paged_setup(1, ctx, ctx)
     qs = q.view(1, ctx, HQ, D).transpose(1, 2)
@@ -264,17 +283,31 @@ def sweep_attention():
     v = torch.randn_like(k)
     t_sdpa = bench(lambda: sdpa(qs, k, v, True))
     print(f"sweep prefill 4k: sdpa {t_sdpa * 1e3:.1f} us")
-    for bm, bn, w, st, heavy, o32 in [(128, 128, 8, 3, False, False), (128, 128, 8, 3, True, True),
-                                      (128, 64, 4, 4, True, True), (256, 64, 8, 3, True, True),
-                                      (256, 64, 8, 4, True, True), (256, 128, 8, 2, True, True)]:
-        plan = dict(BLOCK_M=bm, BLOCK_N=bn, NUM_SPLITS=1, num_warps=w, num_stages=st, HEAVY_FIRST=heavy,
-                    OFFS_32=o32)
-        try:
-            t = bench(lambda: _paged_attention(q, kc, vc, bt, sl, qsl, D**-0.5, ctx, ctx, plan=plan))
-            tf = 4 * HQ * D * ctx * (ctx + 1) / 2 / t / 1e9
-            print(f"sweep prefill 4k {plan}: {t * 1e3:.1f} us {tf:.0f} TFLOP/s {t_sdpa / t:.2f}x sdpa")
-        except Exception as e:  # out of shared memory etc.
-            print(f"sweep prefill 4k {plan}: failed {str(e).splitlines()[0][:60]}")
+    qkv = torch.randn(ctx, HQ + 2 * HK, D, device=DEV, dtype=BF16)
+    dense = (qkv[:, HQ:HQ + HK], qkv[:, HQ + HK:])
+    plans = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4)]
+    for kind, dense_kv, scalar in (("paged", None, False), ("paged", None, True), ("dense", dense, False)):
+        for bm, bn, w, st in plans:
+            plan = dict(BLOCK_M=bm, BLOCK_N=bn, NUM_SPLITS=1, num_warps=w, num_stages=st, HEAVY_FIRST=True,
+                        OFFS_32=True, DENSE=dense_kv is not None, BT_SCALAR=scalar)
+            try:
+                t = bench(lambda: _paged_attention(q, kc, vc, bt, sl, qsl, D**-0.5, ctx, ctx, plan=plan,
+                                                   dense_kv=dense_kv))
+                tf = 4 * HQ * D * ctx * (ctx + 1) / 2 / t / 1e9
+                print(f"sweep prefill 4k {kind} {plan}: {t * 1e3:.1f} us {tf:.0f} TFLOP/s {t_sdpa / t:.2f}x sdpa")
+            except Exception as e:  # out of shared memory etc.
+                print(f"sweep prefill 4k {kind} {plan}: failed {str(e).splitlines()[0][:60]}")
+    # the context gathered through the block table into rows, then the dense launch
+    plan = dict(BLOCK_M=128, BLOCK_N=64, NUM_SPLITS=1, num_warps=8, num_stages=3, DENSE=True)
+
+    def gathered():
+        rows = (kc[bt[0]].view(-1, HK, D)[:ctx], vc[bt[0]].view(-1, HK, D)[:ctx])
+        return _paged_attention(q, kc, vc, bt, sl, qsl, D**-0.5, ctx, ctx, plan=plan, dense_kv=rows)
+    t = bench(gathered)
+    t_gather = bench(lambda: (kc[bt[0]], vc[bt[0]]))
+    print(f"sweep prefill 4k gather + dense: {t * 1e3:.1f} us ({t_gather * 1e3:.1f} us of gather) "
+          f"{t_sdpa / t:.2f}x sdpa")
+    print(f"sweep prefill 4k: sdpa again {bench(lambda: sdpa(qs, k, v, True)) * 1e3:.1f} us")
 
 
 def sweep_decode_attention():

@@ -71,12 +71,15 @@ def _attend_tiles(
     acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos, lo, hi,
     stride_kb, stride_ko, stride_vb, stride_vo, qk_scale,
     MASKED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-    OFFS_32: tl.constexpr, DENSE: tl.constexpr,
+    OFFS_32: tl.constexpr, DENSE: tl.constexpr, BT_SCALAR: tl.constexpr,
 ):
     """Online softmax over keys [lo, hi); MASKED applies the causal and the hi bound, else
     every tile is full and loads go unpredicated (EVEN_D: no head_dim padding either).
     OFFS_32: cache offsets fit 32 bits (cheaper address arithmetic). DENSE: key n is row n
-    from k_base / v_base (row strides stride_ko / stride_vo), no block table."""
+    from k_base / v_base (row strides stride_ko / stride_vo), no block table. BT_SCALAR (PAGE
+    divides BLOCK_N): a tile's block-table entries are read as BLOCK_N // PAGE scalars and spread
+    over its rows in registers, not as a vector of one entry per row (H100, 256 x 64 tiles: 3%
+    faster; benchmarks/notes_kernels.md, ninth round)."""
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         if MASKED:
@@ -89,7 +92,16 @@ def _attend_tiles(
             k_ptrs = k_base + row[:, None] * stride_ko + d_off[None, :]
             v_ptrs = v_base + row[:, None] * stride_vo + d_off[None, :]
         else:
-            if MASKED:
+            if BT_SCALAR:
+                page_in_tile = (n - start) // PAGE
+                block = tl.zeros([BLOCK_N], dtype=tl.int32)
+                for i in tl.static_range(BLOCK_N // PAGE):
+                    if MASKED:
+                        b = tl.load(bt_row + start // PAGE + i, mask=start + i * PAGE < hi, other=0)
+                    else:
+                        b = tl.load(bt_row + start // PAGE + i)
+                    block = tl.where(page_in_tile == i, b, block)
+            elif MASKED:
                 block = tl.load(bt_row + n // PAGE, mask=in_range, other=0)
             else:
                 block = tl.load(bt_row + n // PAGE)
@@ -132,7 +144,7 @@ def _paged_attention_kernel(
     k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr, OFFS_32: tl.constexpr, DENSE: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr, OFFS_32: tl.constexpr, DENSE: tl.constexpr, BT_SCALAR: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_previous(PDL)
@@ -204,10 +216,10 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
                                   kv_lo, full_hi, stride_kb, stride_ko, stride_vb, stride_vo,
-                                  qk_scale, False, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE)
+                                  qk_scale, False, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE, BT_SCALAR)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
                                   full_hi, kv_hi, stride_kb, stride_ko, stride_vb, stride_vo,
-                                  qk_scale, True, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE)
+                                  qk_scale, True, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE, BT_SCALAR)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -304,7 +316,8 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
     if small and q.element_size() == 2 and dense:
         wide = dict(BLOCK_M=max(128, block_m), BLOCK_N=64, NUM_SPLITS=1, num_warps=8, num_stages=3)
     elif small and q.element_size() == 2:  # 256 x 64 tiles, 3 stages: 160 KB of shared memory
-        wide = dict(BLOCK_M=max(256, block_m), BLOCK_N=64, NUM_SPLITS=1, num_warps=8, num_stages=3)
+        wide = dict(BLOCK_M=max(256, block_m), BLOCK_N=64, NUM_SPLITS=1, num_warps=8, num_stages=3,
+                    BT_SCALAR=True)
     else:
         wide = dict(BLOCK_M=max(128 if small else 64, block_m), BLOCK_N=block_n, NUM_SPLITS=1,
                     num_warps=8, num_stages=2)
@@ -380,6 +393,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=p["BLOCK_N"], HEAD_DIM=head_dim,
             D_PAD=d_pad, PAGE=page, NUM_SPLITS=splits, HEAVY_FIRST=heavy_first,
             OFFS_32=p.get("OFFS_32", offs_32), DENSE=p.get("DENSE", False) and dense_kv is not None,
+            BT_SCALAR=p.get("BT_SCALAR", False) and p["BLOCK_N"] % page == 0,
             num_warps=p["num_warps"], num_stages=p["num_stages"], **launch_args(q),
         )
         if splits > 1:

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 CASES = ["argmax", "argmax_split_ties_nan", "skinny_gemm", "skinny_gemm_split", "topk_routing",
-         "routed_experts_decode", "routed_experts_no_local_expert", "paged_attention_split"]
+         "routed_experts_decode", "routed_experts_no_local_expert", "paged_attention_split",
+         "paged_attention_prefill_scalar_table"]
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -88,6 +89,22 @@ def run_case(name: str) -> None:
         qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
         out = paged_attention_triton(q, kc, vc, bt, seq_lens, qsl, 0.2, 1, 80)
         assert _rel(out, paged_attention_ref(q, kc, vc, bt, seq_lens, qsl, 0.2)) < 5e-3
+    elif name == "paged_attention_prefill_scalar_table":
+        # a chunk behind context and a fresh prompt, 16-key tiles over 4-key pages: the tile's
+        # block-table entries read as 4 scalars (BT_SCALAR), a ragged last tile, a shuffled table
+        from kernels.attention import paged_attention_ref
+        from kernels.triton.attention import _paged_attention
+        page, hq, hk, d = 4, 4, 2, 32
+        kc, vc = torch.randn(40, page, hk, d).half(), torch.randn(40, page, hk, d).half()
+        bt = torch.randperm(40, dtype=torch.int32)[:36].view(2, 18)
+        seq_lens = torch.tensor([70, 37], dtype=torch.int32)
+        qsl = torch.tensor([0, 20, 57], dtype=torch.int32)
+        q = torch.randn(57, hq, d).half()
+        ref = paged_attention_ref(q, kc, vc, bt, seq_lens, qsl, 0.2)
+        for scalar in (True, False):
+            plan = dict(BLOCK_M=16, BLOCK_N=16, NUM_SPLITS=1, num_warps=4, num_stages=2, BT_SCALAR=scalar)
+            out = _paged_attention(q, kc, vc, bt, seq_lens, qsl, 0.2, 37, 72, plan=plan)
+            assert _rel(out, ref) < 5e-3, scalar
     else:
         raise ValueError(f"unknown case {name}")
 
