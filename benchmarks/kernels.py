@@ -310,6 +310,25 @@ def sweep_attention():
     print(f"sweep prefill 4k: sdpa again {bench(lambda: sdpa(qs, k, v, True)) * 1e3:.1f} us")
 
 
+def sweep_chunk_attention():
+    """Plans for a chunked-prefill continuation whose 256-row grid leaves SMs idle (512 new
+    tokens behind 3584: 8 q tiles x 8 kv heads), including splitting its keys."""
+    for ctx, chunk in ((4096, 512), (4096, 1024), (8192, 512)):
+        q, kc, vc, bt, sl, qsl = paged_setup(1, ctx, chunk)
+        t = bench(lambda: paged_attention_triton(q, kc, vc, bt, sl, qsl, D**-0.5, chunk, ctx))
+        print(f"sweep chunk {chunk}@{ctx} default: {t * 1e3:.1f} us")
+        for bm, bn, w, st, scalar, splits in [(256, 64, 8, 3, True, 2), (256, 64, 8, 3, True, 4),
+                                              (128, 64, 4, 3, False, 1), (128, 128, 8, 3, True, 1),
+                                              (128, 64, 8, 3, True, 1), (128, 128, 8, 3, True, 2),
+                                              (64, 64, 4, 3, False, 1)]:
+            plan = dict(BLOCK_M=bm, BLOCK_N=bn, NUM_SPLITS=splits, num_warps=w, num_stages=st, BT_SCALAR=scalar)
+            try:
+                t = bench(lambda: _paged_attention(q, kc, vc, bt, sl, qsl, D**-0.5, chunk, ctx, plan=plan))
+                print(f"sweep chunk {chunk}@{ctx} {plan}: {t * 1e3:.1f} us")
+            except Exception as e:  # out of shared memory etc.
+                print(f"sweep chunk {chunk}@{ctx} {plan}: failed {str(e).splitlines()[0][:60]}")
+
+
 def sweep_decode_attention():
     """Decode launch plans as a CUDA graph runs them: max_seq_len = max_model_len (8192), so the
     split count is fixed for the longest context and the keys per split adapt at run time."""
@@ -384,13 +403,14 @@ def main():
     parser.add_argument("--out", default="benchmarks/out/kernels.json")
     parser.add_argument("--only", default="",
                         help="comma-separated: attention,store,norm,rotary,rotary_store,routing,silu,moe "
-                             "(and decode: a --sweep of decode attention plans only)")
+                             "(and decode, chunk: a --sweep of decode / chunked-prefill attention plans only)")
     parser.add_argument("--sweep", action="store_true", help="time tile-shape variants first")
     args = parser.parse_args()
     torch.manual_seed(0)
     only = args.only.split(",") if args.only else list(SECTIONS)
     if args.sweep:
-        for name, fn in dict(attention=sweep_attention, decode=sweep_decode_attention, moe=sweep_moe).items():
+        for name, fn in dict(attention=sweep_attention, chunk=sweep_chunk_attention, decode=sweep_decode_attention,
+                                moe=sweep_moe).items():
             if name in only:
                 fn()
     gbps, tflops = ceilings()

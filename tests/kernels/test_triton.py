@@ -142,6 +142,27 @@ def test_paged_attention_launch_variants(heavy_first, offs_32):
     assert _rel(_paged_attention(*args, 0.09, plan=plan), ref) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("plan", [
+    None,  # the default plans: enough prefill tokens for the 256-row tiles
+    dict(BLOCK_M=256, BLOCK_N=64, NUM_SPLITS=1, num_warps=8, num_stages=3, BT_SCALAR=True),
+    dict(BLOCK_M=64, BLOCK_N=64, NUM_SPLITS=1, num_warps=4, num_stages=3),  # small grids
+    dict(BLOCK_M=128, BLOCK_N=128, NUM_SPLITS=2, num_warps=8, num_stages=2, BT_SCALAR=True),
+])
+def test_paged_attention_wide_plans(plan):
+    """Chunks behind context and a fresh prompt on the prefill plans: the block-table entries read
+    as scalars per page (BT_SCALAR), the tile shapes the launch picks by grid size."""
+    from kernels.triton.attention import _launch_plans, _paged_attention
+    q_lens, ctx_lens = [1500, 1, 700, 37], [3000, 900, 700, 1037]
+    args = _paged_inputs(q_lens, ctx_lens, 32, 8, 128, 16, torch.bfloat16)
+    if plan is None:
+        wide = _launch_plans(args[0], 4, len(q_lens), 8, max(q_lens), max(ctx_lens))[-1]
+        assert wide["BLOCK_M"] == 256 and wide.get("BT_SCALAR"), wide
+    ref = paged_attention_ref(*args, 0.09)
+    _poison(ref.numel() * 4 * 8)
+    out = _paged_attention(*args, 0.09, max(q_lens), max(ctx_lens), plan=plan)
+    assert _rel(out, ref) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kvcache(dtype):
     from kernels.triton.attention import store_kvcache_triton
