@@ -461,7 +461,9 @@ def test_routed_experts(monkeypatch, model, num_tokens, scoring, renormalize):
     for _ in range(2):
         x = torch.randn(num_tokens, H, device=DEVICE).to(torch.bfloat16)
         logits = torch.randn(num_tokens, E, device=DEVICE).to(torch.bfloat16)
-        logits[0, 5] = logits[0, 2] = logits[0].max() + 1
+        logits[0] = -1.0 - torch.rand(E, device=DEVICE)  # experts 2 and 5 tie for the last slot
+        logits[0, E - k + 1:] = 2.0 + torch.arange(k - 1, device=DEVICE)
+        logits[0, 5] = logits[0, 2] = 1.0
         fused = moe.routed_experts_triton(x, logits, w13, w2, k, renormalize, scoring)
         monkeypatch.setattr(moe, "FUSED_ROUTING", False)
         separate = moe.routed_experts_triton(x, logits, w13, w2, k, renormalize, scoring)

@@ -63,6 +63,10 @@ def run_case(name: str) -> None:
         if name == "routed_experts_decode":  # routing in the first GEMM, sum in the second
             for tokens, scoring in [(1, "softmax"), (3, "sigmoid")]:
                 x, logits = torch.randn(tokens, H).half(), torch.randn(tokens, E).half()
+                # experts 1 and 2 tie for the last slot: the lower id takes it
+                logits[0] = -1.0 - torch.rand(E)
+                logits[0, E - k + 1:] = 2.0 + torch.arange(k - 1)
+                logits[0, 1] = logits[0, 2] = 1.0
                 out = moe.routed_experts_triton(x, logits, w13, w2, k, True, scoring)
                 w, ids = topk_routing_ref(logits, k, True, scoring)
                 assert _rel(out, fused_experts_ref(x, w13, w2, w, ids)) < 5e-3, tokens
