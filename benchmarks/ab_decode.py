@@ -13,6 +13,7 @@ what the engine runs by default). Switches (module constants of kernels/):
   moesum   kernels.triton.moe.FUSED_SUM         top-k sum in the second expert GEMM (MoE only)
   lmhead   engine.layers.embedding.TRITON_LM_HEAD   LM head on the Triton GEMM at <= 16 rows
   route    kernels.triton.moe.FUSED_ROUTING     router top-k inside the first expert GEMM (MoE only)
+  partial  kernels.triton.moe.PARTIAL_TOPK      that top-k only as far as each program's slot (MoE only)
 
   python -m benchmarks.ab_decode --models llama3-8b --variants base argmax moesum all
 """
@@ -32,7 +33,9 @@ SWITCHES = {
     "moesum": ("kernels.triton.moe", "FUSED_SUM"),
     "lmhead": ("engine.layers.embedding", "TRITON_LM_HEAD"),
     "route": ("kernels.triton.moe", "FUSED_ROUTING"),
+    "partial": ("kernels.triton.moe", "PARTIAL_TOPK"),
 }
+MOE_SWITCHES = {"moesum", "route", "partial"}
 
 
 def apply(variant: str) -> None:
@@ -105,7 +108,7 @@ def main() -> None:
     for name in args.models:
         moe = "moe" in MODELS[name]["model_type"]
         # the MoE switches change nothing in a dense model: variants of only those are left out
-        variants = [v for v in args.variants if moe or not set(v.split("+")) <= {"moesum", "route"}]
+        variants = [v for v in args.variants if moe or not set(v.split("+")) <= MOE_SWITCHES]
         llm = build(name, max_num_batched_tokens=4096, max_num_seqs=max(8, args.batch), max_model_len=8192,
                     gpu_memory_utilization=0.9, cuda_graph_sizes=(args.batch,), async_scheduling=True,
                     enable_prefix_caching=False)  # every run prefills alike, so greedy tokens compare

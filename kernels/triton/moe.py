@@ -35,6 +35,9 @@ FUSED_SUM = True
 # With a block per pair, the first expert GEMM ranks the router's experts itself (no routing
 # launch); benchmarks/ab_decode.py switches it
 FUSED_ROUTING = True
+# ... where each program ranks only as far as its own slot (the N-tile-0 program, which writes the
+# weight, all k); benchmarks/ab_decode.py switches it
+PARTIAL_TOPK = True
 
 
 @triton.jit
@@ -200,7 +203,7 @@ def _grouped_gemm_kernel(
     PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, FUSED_SUM: tl.constexpr, K_PAD: tl.constexpr,
     ROUTE: tl.constexpr, E_PAD: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
-    PDL: tl.constexpr,
+    PARTIAL: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[rows] = a[rows] @ w[e].T for the BLOCK_M rows of one expert block.
 
@@ -215,6 +218,9 @@ def _grouped_gemm_kernel(
     router logits [T, E] (logits_ptr): each program ranks its token's experts as
     kernels/triton/routing.py does and takes its slot's; the N tile 0 program writes them to
     block_expert_ptr / topk_w_ptr for the second GEMM. (No routing launch ahead of it.)
+    PARTIAL (with ROUTE): a program ranks only as far as its own slot, the N tile 0 program (the
+    renormalized weight needs all k) to the end; the ranking delays every program's first
+    weight load, so the short ones start streaming sooner.
     """
     wait_previous(PDL)
     # N tiles vary fastest: the programs in flight share the block's rows and the expert's weights
@@ -225,7 +231,12 @@ def _grouped_gemm_kernel(
         ex = tl.arange(0, E_PAD)
         logits = tl.load(logits_ptr + (block // TOP_K).to(tl.int64) * stride_l + ex[None, :],
                          mask=(ex < num_experts)[None, :], other=float("-inf")).to(tl.float32)
-        top_w, top_id = topk_of_rows(logits, ex, ex < num_experts, TOP_K, K_PAD, E_PAD, SOFTMAX, RENORMALIZE)
+        if PARTIAL:
+            rounds = tl.where(pid_n == 0, TOP_K, block % TOP_K + 1)
+            top_w, top_id = topk_of_rows(logits, ex, ex < num_experts, TOP_K, K_PAD, E_PAD, SOFTMAX, RENORMALIZE,
+                                         rounds)
+        else:
+            top_w, top_id = topk_of_rows(logits, ex, ex < num_experts, TOP_K, K_PAD, E_PAD, SOFTMAX, RENORMALIZE)
         mine = tl.arange(0, K_PAD)[None, :] == block % TOP_K
         expert = tl.sum(tl.sum(tl.where(mine, top_id, 0), axis=1), axis=0)
         if pid_n == 0:
@@ -377,7 +388,7 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
         raise ValueError("routing in the expert GEMM needs a block per pair")
     logits, renormalize, softmax = router if router is not None else (out, False, True)
     route = dict(ROUTE=router is not None, E_PAD=triton.next_power_of_2(num_experts), SOFTMAX=softmax,
-                 RENORMALIZE=renormalize)
+                 RENORMALIZE=renormalize, PARTIAL=cfg.get("PARTIAL", PARTIAL_TOPK))
     if pairs:
         # A block per pair (its expert read in the kernel): no grouping launch.
         num_blocks, act_rows = num_pairs, num_pairs

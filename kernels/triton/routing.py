@@ -13,10 +13,21 @@ from kernels.triton.pdl import launch_args, wait_previous
 
 
 @triton.jit
+def _take_best(scores, top_w, top_id, k, i, ex, E_PAD: tl.constexpr):
+    """Round i of the top-k: the best remaining score (lowest id among equals) goes to slot i."""
+    best = tl.max(scores, axis=1)
+    idx = tl.min(tl.where(scores == best[:, None], ex[None, :], E_PAD), axis=1)
+    top_w = tl.where(k[None, :] == i, best[:, None], top_w)
+    top_id = tl.where(k[None, :] == i, idx[:, None], top_id)
+    return tl.where(ex[None, :] == idx[:, None], -2.0, scores), top_w, top_id
+
+
+@triton.jit
 def topk_of_rows(x, ex, ex_ok, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                  SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr):
+                  SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr, rounds=None):
     """x: [R, E_PAD] float32 logits (-inf past the experts) -> (weights, ids), [R, K_PAD] each
-    (slots past TOP_K hold zeros)."""
+    (slots past TOP_K hold zeros). rounds (runtime, <= TOP_K): fill only the first `rounds` slots
+    (their ids are final; the weights are renormalized over those slots only)."""
     if SOFTMAX:
         m = tl.max(x, axis=1)
         m = tl.where(m == float("-inf"), 0.0, m)  # rows past the batch
@@ -28,12 +39,12 @@ def topk_of_rows(x, ex, ex_ok, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: 
     k = tl.arange(0, K_PAD)
     top_w = tl.zeros([x.shape[0], K_PAD], dtype=tl.float32)
     top_id = tl.zeros([x.shape[0], K_PAD], dtype=tl.int32)
-    for i in tl.static_range(TOP_K):
-        best = tl.max(scores, axis=1)
-        idx = tl.min(tl.where(scores == best[:, None], ex[None, :], E_PAD), axis=1)
-        top_w = tl.where(k[None, :] == i, best[:, None], top_w)
-        top_id = tl.where(k[None, :] == i, idx[:, None], top_id)
-        scores = tl.where(ex[None, :] == idx[:, None], -2.0, scores)
+    if rounds is None:
+        for i in tl.static_range(TOP_K):
+            scores, top_w, top_id = _take_best(scores, top_w, top_id, k, i, ex, E_PAD)
+    else:
+        for i in range(rounds):
+            scores, top_w, top_id = _take_best(scores, top_w, top_id, k, i, ex, E_PAD)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, axis=1)[:, None]
     return top_w, top_id
