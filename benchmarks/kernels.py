@@ -90,6 +90,16 @@ def sdpa(q, k, v, causal):
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
 
+def gather_context(cache, table_row, ctx):
+    """The first ctx keys (or values) of a sequence gathered through its block table: [ctx, HK, D]."""
+    return cache[table_row].view(-1, HK, D)[:ctx]
+
+
+def heads_first(rows):
+    """[T, H, D] -> [1, H, T, D], SDPA's layout."""
+    return rows.transpose(0, 1).unsqueeze(0)
+
+
 def bench_attention():
     for batch, ctx in [(1, 1024), (1, 8192), (8, 1024), (8, 4096), (8, 8192),
                        (64, 1024), (64, 4096), (64, 8192)]:
@@ -111,8 +121,8 @@ def bench_attention():
         flops = 4 * HQ * D * ctx * (ctx + 1) / 2
         record("attn_prefill", f"T={ctx} causal", t, t_ref, 4 * q.numel() * 2, flops, "sdpa(gqa,causal)")
         # torch doing the same work: the keys and values gathered through the block table first
-        gathered = lambda c: c[bt[0]].view(-1, HK, D)[:ctx].transpose(0, 1).unsqueeze(0)  # noqa: E731
-        t_same = bench(lambda: sdpa(qs, gathered(kc), gathered(vc), True))
+        t_same = bench(lambda: sdpa(qs, heads_first(gather_context(kc, bt[0], ctx)),
+                                    heads_first(gather_context(vc, bt[0], ctx)), True))
         record("attn_prefill", f"T={ctx} causal (vs gather+sdpa)", t, t_same, 4 * q.numel() * 2, flops,
                "gather+sdpa(gqa,causal)")
         # a fresh prefill as the engine runs it: keys and values read from the new rows, which sit
@@ -129,9 +139,9 @@ def bench_attention():
     t = bench(lambda: paged_attention_triton(q, kc, vc, bt, sl, qsl, D**-0.5, chunk, ctx))
     qs = q.view(1, chunk, HQ, D).transpose(1, 2)
     mask = torch.arange(ctx, device=DEV)[None, :] <= torch.arange(ctx - chunk, ctx, device=DEV)[:, None]
-    gathered = lambda c: c[bt[0]].view(-1, HK, D)[:ctx].transpose(0, 1).unsqueeze(0)  # noqa: E731
-    t_ref = bench(lambda: F.scaled_dot_product_attention(qs, gathered(kc), gathered(vc), attn_mask=mask,
-                                                         enable_gqa=True))
+    t_ref = bench(lambda: F.scaled_dot_product_attention(
+        qs, heads_first(gather_context(kc, bt[0], ctx)), heads_first(gather_context(vc, bt[0], ctx)),
+        attn_mask=mask, enable_gqa=True))
     flops = 4 * HQ * D * chunk * (ctx - chunk + (chunk + 1) / 2)
     record("attn_chunk", f"{chunk} new @ {ctx} ctx", t, t_ref, 2 * ctx * HK * D * 2 * 2, flops,
            "gather+sdpa(gqa,mask)")
@@ -301,7 +311,7 @@ def sweep_attention():
     plan = dict(BLOCK_M=128, BLOCK_N=64, NUM_SPLITS=1, num_warps=8, num_stages=3, DENSE=True)
 
     def gathered():
-        rows = (kc[bt[0]].view(-1, HK, D)[:ctx], vc[bt[0]].view(-1, HK, D)[:ctx])
+        rows = (gather_context(kc, bt[0], ctx), gather_context(vc, bt[0], ctx))
         return _paged_attention(q, kc, vc, bt, sl, qsl, D**-0.5, ctx, ctx, plan=plan, dense_kv=rows)
     t = bench(gathered)
     t_gather = bench(lambda: (kc[bt[0]], vc[bt[0]]))
@@ -409,8 +419,9 @@ def main():
     torch.manual_seed(0)
     only = args.only.split(",") if args.only else list(SECTIONS)
     if args.sweep:
-        for name, fn in dict(attention=sweep_attention, chunk=sweep_chunk_attention, decode=sweep_decode_attention,
-                                moe=sweep_moe).items():
+        sweeps = dict(attention=sweep_attention, chunk=sweep_chunk_attention, decode=sweep_decode_attention,
+                      moe=sweep_moe)
+        for name, fn in sweeps.items():
             if name in only:
                 fn()
     gbps, tflops = ceilings()
