@@ -415,8 +415,6 @@ def test_skinny_linear_graph_and_dispatch():
         skinny_linear_triton(torch.zeros(17, 2048, device=DEVICE, dtype=torch.bfloat16), w)
 
 
-
-
 @pytest.mark.parametrize("model,num_tokens", [("qwen3_30b_a3b", 1), ("qwen3_30b_a3b", 2), ("mixtral_like", 1),
                                               ("mixtral_like", 7)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -446,7 +444,6 @@ def test_fused_experts_fused_sum(monkeypatch, model, num_tokens, dtype):
             assert torch.all(fused[2] == 0)
 
 
-
 @pytest.mark.parametrize("model,num_tokens", [("qwen3_30b_a3b", 1), ("qwen3_30b_a3b", 2), ("mixtral_like", 7),
                                               ("qwen3_30b_a3b", 5)])
 @pytest.mark.parametrize("scoring,renormalize", [("softmax", True), ("softmax", False), ("sigmoid", True)])
@@ -471,6 +468,7 @@ def test_routed_experts(monkeypatch, model, num_tokens, scoring, renormalize):
         assert torch.equal(fused, separate)
         weights, ids = topk_routing_ref(logits, k, renormalize, scoring)
         assert _rel(fused, fused_experts_ref(x, w13, w2, weights, ids)) < TOL[torch.bfloat16]
+
 
 ARGMAX_SHAPES = [(1, 128256), (64, 151936), (3, 1000), (5, 4096), (2, 4097), (7, 1), (300, 50)]
 
