@@ -1,9 +1,10 @@
 """MoE router top-k in one Triton launch: scores (softmax or sigmoid), top-k, renormalisation.
 
 Same contract as `kernels.moe.topk_routing_ref`. A program takes ROWS tokens, holds their
-[ROWS, E] scores in registers and picks the k largest by k rounds of max + lowest index of it
-(ties go to the lower expert id), all in float32. It replaces the float cast, softmax, topk,
-sum, divide and int cast that torch launches one by one (six launches at decode).
+[ROWS, E] scores in registers and picks the k largest by k rounds of one max over 64-bit keys
+(score bits above, E_PAD - 1 - id below: ties go to the lower expert id), scores in float32.
+It replaces the float cast, softmax, topk, sum, divide and int cast that torch launches one by
+one (six launches at decode).
 """
 import torch
 import triton
@@ -13,13 +14,14 @@ from kernels.triton.pdl import launch_args, wait_previous
 
 
 @triton.jit
-def _take_best(scores, top_w, top_id, k, i, ex, E_PAD: tl.constexpr):
-    """Round i of the top-k: the best remaining score (lowest id among equals) goes to slot i."""
-    best = tl.max(scores, axis=1)
-    idx = tl.min(tl.where(scores == best[:, None], ex[None, :], E_PAD), axis=1)
-    top_w = tl.where(k[None, :] == i, best[:, None], top_w)
-    top_id = tl.where(k[None, :] == i, idx[:, None], top_id)
-    return tl.where(ex[None, :] == idx[:, None], -2.0, scores), top_w, top_id
+def _take_best(keys, top_w, top_id, k, i, E_PAD: tl.constexpr):
+    """Round i of the top-k: the largest key goes to slot i. A key holds the score's float bits
+    above and E_PAD - 1 - id below (scores are >= 0, so their bits order like the scores), so one
+    max finds the best score and, among equal ones, the lowest id."""
+    best = tl.max(keys, axis=1)
+    top_w = tl.where(k[None, :] == i, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)[:, None], top_w)
+    top_id = tl.where(k[None, :] == i, (E_PAD - 1 - (best & 0xFFFFFFFF)).to(tl.int32)[:, None], top_id)
+    return tl.where(keys == best[:, None], -1, keys), top_w, top_id
 
 
 @triton.jit
@@ -35,16 +37,17 @@ def topk_of_rows(x, ex, ex_ok, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: 
         scores = p / tl.sum(p, axis=1)[:, None]
     else:
         scores = tl.sigmoid(x)
-    scores = tl.where(ex_ok[None, :], scores, -1.0)  # padding experts are never chosen
     k = tl.arange(0, K_PAD)
     top_w = tl.zeros([x.shape[0], K_PAD], dtype=tl.float32)
     top_id = tl.zeros([x.shape[0], K_PAD], dtype=tl.int32)
+    keys = (scores.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (E_PAD - 1 - ex)[None, :]
+    keys = tl.where(ex_ok[None, :], keys, -1)  # padding experts are never chosen
     if rounds is None:
         for i in tl.static_range(TOP_K):
-            scores, top_w, top_id = _take_best(scores, top_w, top_id, k, i, ex, E_PAD)
+            keys, top_w, top_id = _take_best(keys, top_w, top_id, k, i, E_PAD)
     else:
         for i in range(rounds):
-            scores, top_w, top_id = _take_best(scores, top_w, top_id, k, i, ex, E_PAD)
+            keys, top_w, top_id = _take_best(keys, top_w, top_id, k, i, E_PAD)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, axis=1)[:, None]
     return top_w, top_id
