@@ -147,7 +147,9 @@ def _paged_attention_kernel(
     HEAVY_FIRST: tl.constexpr, OFFS_32: tl.constexpr, DENSE: tl.constexpr, BT_SCALAR: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_previous(PDL)
+    # Up to the wait only sequence metadata is read (query_start_loc, seq_lens), which no kernel
+    # of the step writes: the dependent loads that place this program run while the kernel ahead
+    # finishes. q and K/V come after it.
     if HEAVY_FIRST:
         # grid (kv heads, q blocks): the last q blocks (most keys under the causal mask) start
         # first, for every head, so the short ones fill the tail
@@ -186,8 +188,6 @@ def _paged_attention_kernel(
     tok_idx = (q_start + tok).to(tl.int64)
     d_off = tl.arange(0, D_PAD)
     d_mask = d_off < HEAD_DIM
-    q = tl.load(q_ptr + tok_idx[:, None] * stride_qt + head[:, None] * stride_qh + d_off[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
 
     # Keys this tile can see: [0, kv_end); all of its rows see [0, first_pos].
     kv_end = tl.minimum(ctx_len, ctx_offset + tl.minimum(q_len, (q_block + 1) * BLOCK_Q))
@@ -202,6 +202,9 @@ def _paged_attention_kernel(
         kv_hi = tl.minimum(kv_lo + chunk, kv_end)
     first_pos = ctx_offset + q_block * BLOCK_Q
     full_hi = tl.maximum(kv_lo, kv_lo + (tl.minimum(kv_hi, first_pos + 1) - kv_lo) // BLOCK_N * BLOCK_N)
+    wait_previous(PDL)
+    q = tl.load(q_ptr + tok_idx[:, None] * stride_qt + head[:, None] * stride_qh + d_off[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if DENSE:  # the whole context is this step's new tokens (a prefill from position 0): read them
@@ -240,7 +243,6 @@ def _merge_splits_kernel(
     NUM_SPLITS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_previous(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     if t >= tl.load(query_start_loc_ptr + num_seqs):  # padding token: nothing was computed
@@ -264,6 +266,7 @@ def _merge_splits_kernel(
     base = (t.to(tl.int64) * tl.num_programs(1) + h) * NUM_SPLITS
     sp = tl.arange(0, NUM_SPLITS)
     live = sp * chunk < kv_end
+    wait_previous(PDL)  # the partials come from the kernel ahead; the metadata above does not
     m = tl.load(part_ml_ptr + (base + sp) * 2, mask=live, other=float("-inf"))
     l = tl.load(part_ml_ptr + (base + sp) * 2 + 1, mask=live, other=0.0)
     m_max = tl.max(m, axis=0)

@@ -5,8 +5,11 @@ running, so it is resident when its predecessor ends instead of being launched t
 the launch gap off the boundary (decode runs hundreds of small kernels a step). Every kernel of
 ours calls `wait_previous(PDL)` before it touches anything a kernel ahead may write: it blocks
 until the previous grid has completed and its writes are visible (`griddepcontrol.wait`), then
-lets the next kernel be scheduled in turn, so the order of effects is the stream's. (Only
-reads of what no kernel writes come before it: the decode GEMM's first weight tile.) Kernels that are
+lets the next kernel be scheduled in turn, so the order of effects is the stream's. Only
+reads of what no kernel of the step writes come before it: the decode GEMM's first weight
+tile, and the step's metadata in attention, its split merge and rotary (query_start_loc,
+seq_lens, positions, cos/sin, slots: H100 Qwen3-30B-A3B b=1 decode -0.10 ms; RESULTS.md,
+tenth round). The step's metadata is copied in before the forward starts. Kernels that are
 not ours (cuBLAS, torch) are launched without PDL and wait for their predecessor as usual. Off
 on ROCm and on GPUs before Hopper, where the kernels compile without the two instructions.
 """

@@ -29,13 +29,13 @@ def _rotary_kernel(
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     c = tl.arange(0, HALF_PAD)
     c_mask = c < HALF
     cos = tl.load(cache_ptr + pos * stride_cache + c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    wait_previous(PDL)  # (positions and cos/sin: no kernel of the step writes them)
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, c, c_mask, cos, sin, HALF, HQ_PAD)
     _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, c, c_mask, cos, sin, HALF, HK_PAD)
 
@@ -113,16 +113,17 @@ def _rotary_store_kernel(
     HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, ROTATE_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_previous(PDL)
+    # positions, cos/sin and slots are written by no kernel of the step: read before the wait
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     c = tl.arange(0, HALF_PAD)
     cos = tl.load(cache_ptr + pos * stride_cache + c, mask=c < HALF, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + c, mask=c < HALF, other=0.0).to(tl.float32)[None, :]
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    wait_previous(PDL)
     q = q_ptr + t * stride_qt
     _norm_rotate_heads(q, stride_qh, q, stride_qh, num_q_heads, qw_ptr, eps, cos, sin,
                        HAS_NORM, HEAD_DIM, HALF, HALF_PAD, ROT, PASS_PAD, HQ_PAD)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         block, off = slot // PAGE, slot % PAGE
         _norm_rotate_heads(k_ptr + t * stride_kt, stride_kh,
