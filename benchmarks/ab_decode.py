@@ -14,6 +14,7 @@ what the engine runs by default). Switches (module constants of kernels/):
   lmhead   engine.layers.embedding.TRITON_LM_HEAD   LM head on the Triton GEMM at <= 16 rows
   route    kernels.triton.moe.FUSED_ROUTING     router top-k inside the first expert GEMM (MoE only)
   partial  kernels.triton.moe.PARTIAL_TOPK      that top-k only as far as each program's slot (MoE only)
+  eexpert  kernels.triton.moe.EARLY_EXPERT      the second expert GEMM ranks its expert before the wait (MoE only)
 
   python -m benchmarks.ab_decode --models llama3-8b --variants base argmax moesum all
 """
@@ -34,8 +35,9 @@ SWITCHES = {
     "lmhead": ("engine.layers.embedding", "TRITON_LM_HEAD"),
     "route": ("kernels.triton.moe", "FUSED_ROUTING"),
     "partial": ("kernels.triton.moe", "PARTIAL_TOPK"),
+    "eexpert": ("kernels.triton.moe", "EARLY_EXPERT"),
 }
-MOE_SWITCHES = {"moesum", "route", "partial"}
+MOE_SWITCHES = {"moesum", "route", "partial", "eexpert"}
 
 
 def apply(variant: str) -> None:

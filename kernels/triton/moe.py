@@ -38,6 +38,9 @@ FUSED_ROUTING = True
 # ... where each program ranks only as far as its own slot (the N-tile-0 program, which writes the
 # weight, all k); benchmarks/ab_decode.py switches it
 PARTIAL_TOPK = True
+# ... and the second GEMM ranks its pair's expert too, before its PDL wait (H100 Qwen3 b=1: -0.02 ms;
+# benchmarks/RESULTS.md, tenth round); benchmarks/ab_decode.py switches it
+EARLY_EXPERT = True
 
 
 @triton.jit
@@ -203,7 +206,7 @@ def _grouped_gemm_kernel(
     PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, FUSED_SUM: tl.constexpr, K_PAD: tl.constexpr,
     ROUTE: tl.constexpr, E_PAD: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
-    PARTIAL: tl.constexpr, PDL: tl.constexpr,
+    PARTIAL: tl.constexpr, EARLY_EXPERT: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[rows] = a[rows] @ w[e].T for the BLOCK_M rows of one expert block.
 
@@ -221,12 +224,22 @@ def _grouped_gemm_kernel(
     PARTIAL (with ROUTE): a program ranks only as far as its own slot, the N tile 0 program (the
     renormalized weight needs all k) to the end; the ranking delays every program's first
     weight load, so the short ones start streaming sooner.
+    EARLY_EXPERT (PAIRS, second GEMM after a ROUTE one): the pair's expert is ranked from the
+    router logits (two launches back, complete) before the wait, not read from the first GEMM.
     """
-    wait_previous(PDL)
     # N tiles vary fastest: the programs in flight share the block's rows and the expert's weights
     pid = tl.program_id(0)
     block = pid // num_n_tiles
     pid_n = pid % num_n_tiles
+    if EARLY_EXPERT:
+        ex = tl.arange(0, E_PAD)
+        logits = tl.load(logits_ptr + (block // TOP_K).to(tl.int64) * stride_l + ex[None, :],
+                         mask=(ex < num_experts)[None, :], other=float("-inf")).to(tl.float32)
+        _, top_id = topk_of_rows(logits, ex, ex < num_experts, TOP_K, K_PAD, E_PAD, SOFTMAX, False,
+                                 block % TOP_K + 1)
+        early_expert = tl.sum(tl.sum(tl.where(tl.arange(0, K_PAD)[None, :] == block % TOP_K, top_id, 0), axis=1),
+                              axis=0)
+    wait_previous(PDL)
     if ROUTE:
         ex = tl.arange(0, E_PAD)
         logits = tl.load(logits_ptr + (block // TOP_K).to(tl.int64) * stride_l + ex[None, :],
@@ -242,6 +255,8 @@ def _grouped_gemm_kernel(
         if pid_n == 0:
             tl.store(block_expert_ptr + block, expert)
             tl.store(topk_w_ptr + block, tl.sum(tl.sum(tl.where(mine, top_w, 0.0), axis=1), axis=0))
+    elif EARLY_EXPERT:
+        expert = early_expert
     else:
         expert = tl.load(block_expert_ptr + block)
     if (expert < 0) | (expert >= num_experts):
@@ -404,7 +419,8 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
         x, w13, act, sorted_pairs, block_expert, block_rows, topk_weights,
         inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), n_tiles, num_experts,
         out, out, logits, logits.stride(0), GATHER_A=True, SCATTER_OUT=False, GATED=True, PAIRS=pairs,
-        EVEN_K=hidden % meta1["BLOCK_K"] == 0, FUSED_SUM=False, K_PAD=k_pad, **route, **meta1, **launch_args(x),
+        EVEN_K=hidden % meta1["BLOCK_K"] == 0, FUSED_SUM=False, K_PAD=k_pad, EARLY_EXPERT=False, **route, **meta1,
+        **launch_args(x),
     )
     pair_out = torch.empty(num_pairs, hidden, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(hidden, cfg["BLOCK_N2"])
@@ -412,8 +428,9 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
     _grouped_gemm_kernel[(num_blocks * n_tiles,)](
         act, w2, pair_out, sorted_pairs, block_expert, block_rows, topk_weights,
         hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), n_tiles, num_experts,
-        out, tickets(x.device), out, 0, GATHER_A=False, SCATTER_OUT=True, GATED=False, PAIRS=pairs,
+        out, tickets(x.device), logits, logits.stride(0), GATHER_A=False, SCATTER_OUT=True, GATED=False, PAIRS=pairs,
         EVEN_K=inter % meta2["BLOCK_K"] == 0, FUSED_SUM=fused_sum, K_PAD=k_pad,
+        EARLY_EXPERT=router is not None and cfg.get("EARLY_EXPERT", EARLY_EXPERT),
         **dict(route, ROUTE=False), **meta2, **launch_args(x),
     )
     if not fused_sum:
