@@ -198,6 +198,21 @@ def _sum_pairs_tile(pair_out_ptr, stride_p, ids_ptr, sum_ptr, token, rn, n_mask,
 
 
 @triton.jit
+def _rank_pair(logits_ptr, stride_l, pair, num_experts, rounds, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+               E_PAD: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """(expert, weight) of pair (token pair // TOP_K, slot pair % TOP_K), ranked from the router
+    logits [T, E] as kernels/triton/routing.py ranks them; rounds as topk_of_rows takes it (the
+    slot's id is final from slot + 1 rounds on; the weight needs all of them)."""
+    ex = tl.arange(0, E_PAD)
+    logits = tl.load(logits_ptr + (pair // TOP_K).to(tl.int64) * stride_l + ex[None, :],
+                     mask=(ex < num_experts)[None, :], other=float("-inf")).to(tl.float32)
+    top_w, top_id = topk_of_rows(logits, ex, ex < num_experts, TOP_K, K_PAD, E_PAD, SOFTMAX, RENORMALIZE, rounds)
+    mine = tl.arange(0, K_PAD)[None, :] == pair % TOP_K
+    return (tl.sum(tl.sum(tl.where(mine, top_id, 0), axis=1), axis=0),
+            tl.sum(tl.sum(tl.where(mine, top_w, 0.0), axis=1), axis=0))
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, topk_w_ptr,
     N, K, stride_am, stride_we, stride_wn, stride_om, num_n_tiles, num_experts, sum_ptr, ticket_ptr,
@@ -232,29 +247,20 @@ def _grouped_gemm_kernel(
     block = pid // num_n_tiles
     pid_n = pid % num_n_tiles
     if EARLY_EXPERT:
-        ex = tl.arange(0, E_PAD)
-        logits = tl.load(logits_ptr + (block // TOP_K).to(tl.int64) * stride_l + ex[None, :],
-                         mask=(ex < num_experts)[None, :], other=float("-inf")).to(tl.float32)
-        _, top_id = topk_of_rows(logits, ex, ex < num_experts, TOP_K, K_PAD, E_PAD, SOFTMAX, False,
-                                 block % TOP_K + 1)
-        early_expert = tl.sum(tl.sum(tl.where(tl.arange(0, K_PAD)[None, :] == block % TOP_K, top_id, 0), axis=1),
-                              axis=0)
+        early_expert, _ = _rank_pair(logits_ptr, stride_l, block, num_experts, block % TOP_K + 1,
+                                     TOP_K, K_PAD, E_PAD, SOFTMAX, False)
     wait_previous(PDL)
     if ROUTE:
-        ex = tl.arange(0, E_PAD)
-        logits = tl.load(logits_ptr + (block // TOP_K).to(tl.int64) * stride_l + ex[None, :],
-                         mask=(ex < num_experts)[None, :], other=float("-inf")).to(tl.float32)
         if PARTIAL:
-            rounds = tl.where(pid_n == 0, TOP_K, block % TOP_K + 1)
-            top_w, top_id = topk_of_rows(logits, ex, ex < num_experts, TOP_K, K_PAD, E_PAD, SOFTMAX, RENORMALIZE,
-                                         rounds)
+            expert, weight = _rank_pair(logits_ptr, stride_l, block, num_experts,
+                                        tl.where(pid_n == 0, TOP_K, block % TOP_K + 1),
+                                        TOP_K, K_PAD, E_PAD, SOFTMAX, RENORMALIZE)
         else:
-            top_w, top_id = topk_of_rows(logits, ex, ex < num_experts, TOP_K, K_PAD, E_PAD, SOFTMAX, RENORMALIZE)
-        mine = tl.arange(0, K_PAD)[None, :] == block % TOP_K
-        expert = tl.sum(tl.sum(tl.where(mine, top_id, 0), axis=1), axis=0)
+            expert, weight = _rank_pair(logits_ptr, stride_l, block, num_experts, None,
+                                        TOP_K, K_PAD, E_PAD, SOFTMAX, RENORMALIZE)
         if pid_n == 0:
             tl.store(block_expert_ptr + block, expert)
-            tl.store(topk_w_ptr + block, tl.sum(tl.sum(tl.where(mine, top_w, 0.0), axis=1), axis=0))
+            tl.store(topk_w_ptr + block, weight)
     elif EARLY_EXPERT:
         expert = early_expert
     else:
