@@ -12,6 +12,7 @@ from engine.layers.linear import ReplicatedLinear
 from engine.parallel import expert_parallel, tp_all_reduce, tp_rank, tp_size
 from kernels.ep import NoDispatch, make_dispatcher
 from kernels.ep.placement import local_experts
+from kernels.linear import PendingNorm, linear_normed
 from kernels.moe import fused_experts, fused_experts_ref, routed_experts, topk_routing
 
 _EXPERTS_IMPLS = {"triton": fused_experts, "torch": fused_experts_ref}
@@ -100,12 +101,27 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
-        if self.experts is fused_experts and isinstance(self.dispatcher, NoDispatch):
+        return self._experts(x, self.gate(x))
+
+    def forward_pending(self, p: PendingNorm) -> torch.Tensor:
+        """The block on p's normalized rows: the router GEMM and, with every expert here, the
+        first expert GEMM apply the pending norm themselves (no norm launch)."""
+        logits = linear_normed(p, self.gate.weight)
+        if self._local():
+            return tp_all_reduce(routed_experts(p.sg, logits, self.w13, self.w2, self.top_k, self.renormalize,
+                                                self.scoring, (p.ss, p.eps)))
+        return self._experts(p.normed(), logits)
+
+    def _local(self) -> bool:
+        return self.experts is fused_experts and isinstance(self.dispatcher, NoDispatch)
+
+    def _experts(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        if self._local():
             # all experts here: routing and experts in one call (on a GPU at decode sizes the
             # first expert GEMM ranks the experts itself)
-            y = routed_experts(x, self.gate(x), self.w13, self.w2, self.top_k, self.renormalize, self.scoring)
+            y = routed_experts(x, router_logits, self.w13, self.w2, self.top_k, self.renormalize, self.scoring)
             return tp_all_reduce(y)
-        weights, ids = topk_routing(self.gate(x), self.top_k, self.renormalize, self.scoring)
+        weights, ids = topk_routing(router_logits, self.top_k, self.renormalize, self.scoring)
         x, weights, ids, handle = self.dispatcher.dispatch(x, weights, ids)
         y = self.experts(x, self.w13, self.w2, weights, ids)
         return tp_all_reduce(self.dispatcher.combine(y, handle))

@@ -17,6 +17,7 @@ from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from kernels import silu_and_mul
+from kernels.linear import PendingNorm, linear_normed
 
 
 def head_dim_of(cfg) -> int:
@@ -39,7 +40,10 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = qk_norm
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext,
+                then: tuple | None = None) -> torch.Tensor | PendingNorm:
+        """Attention of the normalized x. then = (residual, norm): where o_proj can, it returns the
+        sum with the residual and that norm pending (kernels.linear.PendingNorm) instead."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
@@ -47,6 +51,10 @@ class LlamaAttention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
         out = self.attn(q, k, v, ctx, positions, self.rotary_emb.cos_sin_cache, norm)
+        if then is not None:
+            pending = self.o_proj.forward_add_norm(out, *then)
+            if pending is not None:
+                return pending
         return self.o_proj(out)
 
 
@@ -58,6 +66,13 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+    def forward_pending(self, p: PendingNorm) -> torch.Tensor:
+        """The MLP of p's normalized rows, the norm applied by the gate_up GEMM."""
+        gate_up = linear_normed(p, self.gate_up_proj.weight)
+        if self.gate_up_proj.bias is not None:
+            gate_up = gate_up + self.gate_up_proj.bias
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -73,8 +88,10 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, ctx)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        out = self.self_attn(positions, hidden, ctx, then=(residual, self.post_attention_layernorm))
+        if isinstance(out, PendingNorm):  # the norm rides on o_proj and the MLP's first GEMM
+            return self.mlp.forward_pending(out), out.s
+        hidden, residual = self.post_attention_layernorm(out, residual)
         return self.mlp(hidden), residual
 
 

@@ -216,12 +216,13 @@ def _rank_pair(logits_ptr, stride_l, pair, num_experts, rounds, TOP_K: tl.conste
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, topk_w_ptr,
     N, K, stride_am, stride_we, stride_wn, stride_om, num_n_tiles, num_experts, sum_ptr, ticket_ptr,
-    logits_ptr, stride_l,
+    logits_ptr, stride_l, ss_in_ptr, in_strips, eps,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, GATED: tl.constexpr,
     PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, FUSED_SUM: tl.constexpr, K_PAD: tl.constexpr,
     ROUTE: tl.constexpr, E_PAD: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
-    PARTIAL: tl.constexpr, EARLY_EXPERT: tl.constexpr, PDL: tl.constexpr,
+    PARTIAL: tl.constexpr, EARLY_EXPERT: tl.constexpr, NORM_IN: tl.constexpr, S_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[rows] = a[rows] @ w[e].T for the BLOCK_M rows of one expert block.
 
@@ -241,6 +242,9 @@ def _grouped_gemm_kernel(
     weight load, so the short ones start streaming sooner.
     EARLY_EXPERT (PAIRS, second GEMM after a ROUTE one): the pair's expert is ranked from the
     router logits (two launches back, complete) before the wait, not read from the first GEMM.
+    NORM_IN (first GEMM): a rows are s * norm weight from a NORM_OUT GEMM (kernels/triton/linear.py)
+    and ss_in_ptr [rows, in_strips] its partial sums of squares of s: the accumulators are scaled
+    by the row's rsqrt(mean(s^2) + eps) before the activation, which makes the rows rms_norm(s).
     """
     # N tiles vary fastest: the programs in flight share the block's rows and the expert's weights
     pid = tl.program_id(0)
@@ -283,6 +287,12 @@ def _grouped_gemm_kernel(
         own_row = block.to(tl.int64) * BLOCK_M + rm
         pair = tl.load(sorted_ptr + own_row, mask=row_mask, other=0).to(tl.int64)
     a_row = pair // TOP_K if GATHER_A else own_row
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM_IN:
+        sp = tl.arange(0, S_PAD)
+        ss = tl.load(ss_in_ptr + a_row[:, None] * in_strips + sp[None, :],
+                     mask=row_mask[:, None] & (sp < in_strips)[None, :], other=0.0)
+        rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rk = tl.arange(0, BLOCK_K)
@@ -302,6 +312,9 @@ def _grouped_gemm_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out_ty = out_ptr.dtype.element_ty
+    if NORM_IN:
+        acc *= rstd[:, None]
+        acc_up *= rstd[:, None]
     if GATED:  # rounded like the reference: silu(gate) * up on x.dtype values
         gate = acc.to(out_ty).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
@@ -363,23 +376,27 @@ def fused_experts_triton(
 
 def routed_experts_triton(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-    renormalize: bool, scoring: str = "softmax",
+    renormalize: bool, scoring: str = "softmax", norm_in: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """topk_routing_triton, then fused_experts_triton, every expert held here. With a block per
     pair (decode) and FUSED_ROUTING, the first expert GEMM ranks the experts itself: one launch
-    fewer, the same weights and experts."""
+    fewer, the same weights and experts. norm_in = (ss, eps): x is s * norm weight and ss the
+    partial sums of squares from kernels/triton/linear.py skinny_linear_add_norm_triton; the
+    experts see rms_norm(s)."""
     num_tokens = x.shape[0]
     if not (FUSED_ROUTING and 0 < num_tokens * top_k <= _PAIR_BLOCKS):
         weights, ids = topk_routing_triton(router_logits, top_k, renormalize, scoring)
-        return _fused_experts(x, w13, w2, weights, ids)
+        return _fused_experts(x, w13, w2, weights, ids, norm_in=norm_in)
     check_routing(router_logits, top_k, scoring)  # (topk_routing_triton checks on the other path)
     weights = torch.empty(num_tokens, top_k, device=x.device, dtype=torch.float32)
     ids = torch.empty(num_tokens, top_k, device=x.device, dtype=torch.int32)
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    return _fused_experts(x, w13, w2, weights, ids, router=(logits, renormalize, scoring == "softmax"))
+    return _fused_experts(x, w13, w2, weights, ids, router=(logits, renormalize, scoring == "softmax"),
+                          norm_in=norm_in)
 
 
-def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, router: tuple | None = None):
+def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, router: tuple | None = None,
+                   norm_in: tuple | None = None):
     """fused_experts_triton with an optional explicit tile config (benchmark sweeps). router =
     (logits [T, E], renormalize, softmax): topk_weights / topk_ids are outputs, filled by the
     first GEMM (a block per pair only)."""
@@ -419,14 +436,17 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
         sorted_pairs, block_expert, block_rows = _align(topk_ids, num_experts, block_m, num_blocks)
         act_rows = num_blocks * block_m
     act = torch.empty(act_rows, inter, device=x.device, dtype=x.dtype)
+    ss_in, eps = norm_in if norm_in is not None else (out, 0.0)
+    in_strips = ss_in.shape[1] if norm_in is not None else 1
     n_tiles = triton.cdiv(inter, cfg["BLOCK_N1"])
     k_pad = triton.next_power_of_2(top_k)
     _grouped_gemm_kernel[(num_blocks * n_tiles,)](
         x, w13, act, sorted_pairs, block_expert, block_rows, topk_weights,
         inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), n_tiles, num_experts,
-        out, out, logits, logits.stride(0), GATHER_A=True, SCATTER_OUT=False, GATED=True, PAIRS=pairs,
-        EVEN_K=hidden % meta1["BLOCK_K"] == 0, FUSED_SUM=False, K_PAD=k_pad, EARLY_EXPERT=False, **route, **meta1,
-        **launch_args(x),
+        out, out, logits, logits.stride(0), ss_in, in_strips, eps, GATHER_A=True, SCATTER_OUT=False,
+        GATED=True, PAIRS=pairs, EVEN_K=hidden % meta1["BLOCK_K"] == 0, FUSED_SUM=False, K_PAD=k_pad,
+        EARLY_EXPERT=False, NORM_IN=norm_in is not None, S_PAD=triton.next_power_of_2(in_strips),
+        **route, **meta1, **launch_args(x),
     )
     pair_out = torch.empty(num_pairs, hidden, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(hidden, cfg["BLOCK_N2"])
@@ -434,7 +454,8 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
     _grouped_gemm_kernel[(num_blocks * n_tiles,)](
         act, w2, pair_out, sorted_pairs, block_expert, block_rows, topk_weights,
         hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), n_tiles, num_experts,
-        out, tickets(x.device), logits, logits.stride(0), GATHER_A=False, SCATTER_OUT=True, GATED=False, PAIRS=pairs,
+        out, tickets(x.device), logits, logits.stride(0), out, 1, 0.0, GATHER_A=False, SCATTER_OUT=True,
+        GATED=False, PAIRS=pairs, NORM_IN=False, S_PAD=1,
         EVEN_K=inter % meta2["BLOCK_K"] == 0, FUSED_SUM=fused_sum, K_PAD=k_pad,
         EARLY_EXPERT=router is not None and cfg.get("EARLY_EXPERT", EARLY_EXPERT),
         **dict(route, ROUTE=False), **meta2, **launch_args(x),
