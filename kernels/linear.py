@@ -10,8 +10,8 @@ from kernels.backend import use_triton
 from kernels.norm import rms_norm
 
 _skinny = True
-# the RMSNorm after o_proj carried by o_proj and the MLP's first GEMM (linear_add_norm,
-# linear_normed) instead of a launch of its own; benchmarks/ab_decode.py switches it
+# the RMSNorms of a decoder layer carried by the GEMM ahead and the GEMM after (linear_add_norm,
+# linear_normed) instead of launches of their own; benchmarks/ab_decode.py switches it
 FOLD_NORM = True
 
 
@@ -21,13 +21,18 @@ def set_skinny(enabled: bool) -> None:
     _skinny = enabled
 
 
-def _skinny_rows(x: torch.Tensor, weight: torch.Tensor) -> int:
-    """x's row count where the Triton GEMM takes this matmul, else 0."""
-    if not (_skinny and use_triton(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype):
+def _decode_rows(x: torch.Tensor) -> int:
+    """x's row count where the Triton GEMM takes x as its input (a GPU, <= 16 rows of bf16/fp16), else 0."""
+    if not (_skinny and use_triton(x) and x.dtype in (torch.bfloat16, torch.float16)):
         return 0
     from kernels.triton.linear import MAX_ROWS
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return rows if rows <= MAX_ROWS else 0
+
+
+def _skinny_rows(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """x's row count where the Triton GEMM takes this matmul, else 0."""
+    return _decode_rows(x) if weight.dtype == x.dtype else 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,17 +67,23 @@ def linear_add_norm(
     """x @ weight.T + residual, with the RMSNorm after it left pending: at decode sizes on a GPU
     (FOLD_NORM on), one launch of the Triton GEMM; else None, and the caller runs `linear` and the
     norm. x: [T, K]; weight: [N, K]; residual: [T, N]; norm_weight: [N]."""
-    if not (FOLD_NORM and _skinny_rows(x, weight) and norm_weight.dtype == x.dtype and residual.dtype == x.dtype):
+    if not (can_pend(x) and _skinny_rows(x, weight) and norm_weight.dtype == x.dtype and residual.dtype == x.dtype):
         return None
     from kernels.triton.linear import skinny_linear_add_norm_triton
     s, sg, ss = skinny_linear_add_norm_triton(x, weight, residual, norm_weight)
     return PendingNorm(s, sg, ss, norm_weight, eps)
 
 
-def linear_normed(p: PendingNorm, weight: torch.Tensor) -> torch.Tensor:
-    """rms_norm(p.s) @ weight.T: the Triton GEMM on p.sg, scaled by each row's 1/rms in its
-    epilogue (no norm launch)."""
+def linear_normed(p: PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """rms_norm(p.s) @ weight.T + bias: the Triton GEMM on p.sg, scaled by each row's 1/rms in
+    its epilogue (no norm launch)."""
     if not _skinny_rows(p.sg, weight):
-        return linear(p.normed(), weight)
+        return linear(p.normed(), weight, bias)
     from kernels.triton.linear import skinny_linear_normed_triton
-    return skinny_linear_normed_triton(p.sg, weight, p.ss, p.eps)
+    y = skinny_linear_normed_triton(p.sg, weight, p.ss, p.eps)
+    return y if bias is None else y + bias
+
+
+def can_pend(x: torch.Tensor) -> bool:
+    """Whether kernels on x's rows may leave an RMSNorm pending (FOLD_NORM, a GPU, decode sizes)."""
+    return FOLD_NORM and x.dim() == 2 and _decode_rows(x) > 0

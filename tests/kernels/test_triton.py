@@ -441,10 +441,11 @@ def test_skinny_linear_pending_norm(rows, k1, n, n2):
                                               ("qwen3_30b_a3b", 5)])
 def test_routed_experts_pending_norm(model, num_tokens):
     """The first expert GEMM applying a pending RMSNorm (rows s * g, the partial sums of squares
-    from the GEMM ahead) against the norm then the experts reference; 5 x top-8 pairs are grouped
-    (the routing launch), the others a block per pair."""
+    from the GEMM ahead) against the norm then the experts reference, and the second leaving the
+    next one pending (the fused sum, or the sum launch); 5 x top-8 pairs are grouped (the
+    routing launch), the others a block per pair."""
     from kernels.triton import moe
-    from kernels.triton.linear import skinny_linear_add_norm_triton
+    from kernels.triton.linear import skinny_linear_add_norm_triton, skinny_linear_normed_triton
     E, k, H, inter = MOE_SHAPES[model]
     w13 = (torch.randn(E, 2 * inter, H, device=DEVICE) / math.sqrt(H)).to(torch.bfloat16)
     w2 = (torch.randn(E, H, inter, device=DEVICE) / math.sqrt(inter)).to(torch.bfloat16)
@@ -459,6 +460,13 @@ def test_routed_experts_pending_norm(model, num_tokens):
         weights, ids = topk_routing_ref(logits, k, True, "softmax")
         ref = fused_experts_ref(rms_norm_ref(s, g, 1e-6), w13, w2, weights, ids)
         assert _rel(out, ref) < TOL[torch.bfloat16]
+        # the output plus the residual with the next norm left pending, applied by the next GEMM
+        g2 = (1 + 0.3 * torch.randn(H, device=DEVICE)).to(torch.bfloat16)
+        w_q = (torch.randn(640, H, device=DEVICE) / math.sqrt(H)).to(torch.bfloat16)
+        s2, sg2, ss2 = moe.routed_experts_triton(sg, logits, w13, w2, k, True, "softmax", (ss, 1e-6), (s, g2))
+        assert _rel(s2, out + s) < TOL[torch.bfloat16] and _rel(sg2, s2 * g2) < TOL[torch.bfloat16]
+        q = skinny_linear_normed_triton(sg2, w_q, ss2, 1e-6)
+        assert _rel(q, rms_norm_ref(s2, g2, 1e-6).double() @ w_q.double().t()) < TOL[torch.bfloat16]
 
 
 @pytest.mark.parametrize("model,num_tokens", [("qwen3_30b_a3b", 1), ("qwen3_30b_a3b", 2), ("mixtral_like", 1),

@@ -94,7 +94,7 @@ def run_case(name: str) -> None:
                     moe.FUSED_ROUTING, moe.FUSED_SUM = True, True
         elif name == "routed_experts_pending_norm":  # rows s * g, the norm's 1/rms in the first GEMM
             from kernels.norm import rms_norm_ref
-            from kernels.triton.linear import skinny_linear_add_norm_triton
+            from kernels.triton.linear import skinny_linear_add_norm_triton, skinny_linear_normed_triton
             g = (1 + 0.3 * torch.randn(H)).half()
             w_o = (torch.randn(H, 96) / 96**0.5).half()
             for tokens in (1, 5):  # 5 x 4 pairs: grouped, the routing launch
@@ -104,6 +104,13 @@ def run_case(name: str) -> None:
                 w, ids = topk_routing_ref(logits, k, True)
                 ref = fused_experts_ref(rms_norm_ref(s, g, 1e-6), w13, w2, w, ids)
                 assert _rel(out, ref) < 5e-3, tokens
+                # and the experts' output plus the residual with the next norm left pending (the
+                # fused sum at 1 token, the sum launch at 5), applied by the next GEMM
+                g2, w_q = (1 + 0.3 * torch.randn(H)).half(), (torch.randn(80, H) / H**0.5).half()
+                s2, sg2, ss2 = moe.routed_experts_triton(sg, logits, w13, w2, k, True, "softmax", (ss, 1e-6), (s, g2))
+                assert _rel(s2, ref + s) < 5e-3 and _rel(sg2, (ref + s) * g2) < 5e-3, tokens
+                q = skinny_linear_normed_triton(sg2, w_q, ss2, 1e-6)
+                assert _rel(q, rms_norm_ref(s2, g2, 1e-6).double() @ w_q.double().t()) < 5e-3, tokens
         else:  # expert parallel: a token with no expert held here gets a zero row from the fused sum
             x = torch.randn(3, H).half()
             w, ids = topk_routing_ref(torch.randn(3, E), k, True)
