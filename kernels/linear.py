@@ -11,8 +11,11 @@ from kernels.norm import rms_norm
 
 _skinny = True
 # the RMSNorms of a decoder layer carried by the GEMM ahead and the GEMM after (linear_add_norm,
-# linear_normed) instead of launches of their own; benchmarks/ab_decode.py switches it
+# linear_normed) instead of launches of their own; FOLD_INPUT_NORM: the input norm too (the MLP
+# of the layer ahead carries it), not only the post-attention one. benchmarks/ab_decode.py
+# switches both
 FOLD_NORM = True
+FOLD_INPUT_NORM = True
 
 
 def set_skinny(enabled: bool) -> None:

@@ -16,6 +16,7 @@ from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+import kernels.linear
 from kernels import silu_and_mul
 from kernels.linear import PendingNorm, linear_normed
 
@@ -116,8 +117,9 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids, positions, ctx):
         hidden, residual = self.embed_tokens(input_ids), None
+        pend_input = kernels.linear.FOLD_INPUT_NORM
         for i, layer in enumerate(self.layers):
-            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
+            next_norm = self.layers[i + 1].input_layernorm if pend_input and i + 1 < len(self.layers) else None
             hidden, residual = layer(positions, hidden, residual, ctx, next_norm)
         hidden, _ = self.norm(hidden, residual)
         return hidden
