@@ -15,6 +15,8 @@ what the engine runs by default). Switches (module constants of kernels/):
   route    kernels.triton.moe.FUSED_ROUTING     router top-k inside the first expert GEMM (MoE only)
   partial  kernels.triton.moe.PARTIAL_TOPK      that top-k only as far as each program's slot (MoE only)
   eexpert  kernels.triton.moe.EARLY_EXPERT      the second expert GEMM ranks its expert before the wait (MoE only)
+  norm     kernels.linear.FOLD_NORM             the RMSNorm after o_proj carried by o_proj and the MLP's first GEMM
+  inorm    kernels.linear.FOLD_INPUT_NORM       with norm: the input norm carried by the MLP ahead and qkv
 
   python -m benchmarks.ab_decode --models llama3-8b --variants base argmax moesum all
 """
@@ -36,6 +38,8 @@ SWITCHES = {
     "route": ("kernels.triton.moe", "FUSED_ROUTING"),
     "partial": ("kernels.triton.moe", "PARTIAL_TOPK"),
     "eexpert": ("kernels.triton.moe", "EARLY_EXPERT"),
+    "norm": ("kernels.linear", "FOLD_NORM"),
+    "inorm": ("kernels.linear", "FOLD_INPUT_NORM"),
 }
 MOE_SWITCHES = {"moesum", "route", "partial", "eexpert"}
 

@@ -62,12 +62,17 @@ def fused_experts(
 
 def routed_experts(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-    renormalize: bool, scoring: str = "softmax",
-) -> torch.Tensor:
+    renormalize: bool, scoring: str = "softmax", norm_in: tuple[torch.Tensor, float] | None = None,
+    norm_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+):
     """topk_routing then fused_experts, every expert held here (no expert parallelism); on a GPU
-    at decode sizes the routing happens inside the first expert GEMM."""
+    at decode sizes the routing happens inside the first expert GEMM. GPU only: norm_in = (ss,
+    eps), x is a pending norm's s * weight; norm_out = (residual, norm weight), returns (s, sg,
+    ss) of the next norm left pending (kernels.linear.PendingNorm)."""
     if use_triton(x):
         from kernels.triton.moe import routed_experts_triton
-        return routed_experts_triton(x, router_logits, w13, w2, top_k, renormalize, scoring)
+        return routed_experts_triton(x, router_logits, w13, w2, top_k, renormalize, scoring, norm_in, norm_out)
+    if norm_in is not None or norm_out is not None:
+        raise ValueError("routed_experts: a pending norm needs the Triton experts")
     weights, ids = topk_routing_ref(router_logits, top_k, renormalize, scoring)
     return fused_experts_ref(x, w13, w2, weights, ids)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from engine.parallel import tp_all_reduce, tp_rank, tp_size
-from kernels.linear import linear
+from kernels.linear import PendingNorm, linear, linear_add_norm
 
 
 def _divide(a: int, b: int) -> int:
@@ -103,3 +103,11 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias if tp_rank() == 0 else None)
         return tp_all_reduce(y)
+
+    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> PendingNorm | None:
+        """This layer's output + residual with `norm` (an RMSNorm module) left pending for the next
+        GEMM (kernels.linear.linear_add_norm), or None where that does not apply (no GPU, more
+        rows, a bias, tensor parallel: the all-reduce comes before the add)."""
+        if tp_size() > 1 or self.bias is not None:
+            return None
+        return linear_add_norm(x, self.weight, residual, norm.weight, norm.eps)

@@ -12,6 +12,7 @@ from engine.layers.linear import ReplicatedLinear
 from engine.parallel import expert_parallel, tp_all_reduce, tp_rank, tp_size
 from kernels.ep import NoDispatch, make_dispatcher
 from kernels.ep.placement import local_experts
+from kernels.linear import PendingNorm, can_pend, linear_normed
 from kernels.moe import fused_experts, fused_experts_ref, routed_experts, topk_routing
 
 _EXPERTS_IMPLS = {"triton": fused_experts, "torch": fused_experts_ref}
@@ -98,14 +99,24 @@ class FusedMoE(nn.Module):
                              f"expected {tuple(dst.shape)}")
         dst.copy_(loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] -> [T, H]."""
-        if self.experts is fused_experts and isinstance(self.dispatcher, NoDispatch):
-            # all experts here: routing and experts in one call (on a GPU at decode sizes the
-            # first expert GEMM ranks the experts itself)
-            y = routed_experts(x, self.gate(x), self.w13, self.w2, self.top_k, self.renormalize, self.scoring)
-            return tp_all_reduce(y)
-        weights, ids = topk_routing(self.gate(x), self.top_k, self.renormalize, self.scoring)
-        x, weights, ids, handle = self.dispatcher.dispatch(x, weights, ids)
-        y = self.experts(x, self.w13, self.w2, weights, ids)
-        return tp_all_reduce(self.dispatcher.combine(y, handle))
+    def forward(self, x: torch.Tensor | PendingNorm, then: tuple | None = None) -> torch.Tensor | PendingNorm:
+        """x: [T, H] normalized rows, or a PendingNorm (its norm applied by the router GEMM and the
+        first expert GEMM) -> [T, H]. then = (residual, norm): with every expert here on a GPU at
+        decode sizes, the output plus the residual with that norm pending instead."""
+        pending = isinstance(x, PendingNorm)
+        logits = linear_normed(x, self.gate.weight) if pending else self.gate(x)
+        if not (self.experts is fused_experts and isinstance(self.dispatcher, NoDispatch)):
+            h = x.normed() if pending else x
+            weights, ids = topk_routing(logits, self.top_k, self.renormalize, self.scoring)
+            h, weights, ids, handle = self.dispatcher.dispatch(h, weights, ids)
+            y = self.experts(h, self.w13, self.w2, weights, ids)
+            return tp_all_reduce(self.dispatcher.combine(y, handle))
+        # all experts here: routing and experts in one call (on a GPU at decode sizes the first
+        # expert GEMM ranks the experts itself)
+        rows = x.sg if pending else x
+        norm_out = (then[0], then[1].weight) if then is not None and tp_size() == 1 and can_pend(rows) else None
+        y = routed_experts(rows, logits, self.w13, self.w2, self.top_k, self.renormalize, self.scoring,
+                           (x.ss, x.eps) if pending else None, norm_out)
+        if norm_out is not None:
+            return PendingNorm(*y, then[1].weight, then[1].eps)
+        return tp_all_reduce(y)

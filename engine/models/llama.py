@@ -16,7 +16,9 @@ from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+import kernels.linear
 from kernels import silu_and_mul
+from kernels.linear import PendingNorm, linear_normed
 
 
 def head_dim_of(cfg) -> int:
@@ -39,14 +41,24 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = qk_norm
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | PendingNorm, ctx: ForwardContext,
+                then: tuple | None = None) -> torch.Tensor | PendingNorm:
+        """Attention of x, normalized rows or a PendingNorm (whose norm the qkv GEMM applies).
+        then = (residual, norm): where o_proj can, it returns its output plus the residual with
+        that norm pending (kernels.linear.PendingNorm) instead."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = (linear_normed(x, self.qkv_proj.weight, self.qkv_proj.bias) if isinstance(x, PendingNorm)
+               else self.qkv_proj(x))
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
         out = self.attn(q, k, v, ctx, positions, self.rotary_emb.cos_sin_cache, norm)
+        if then is not None:
+            pending = self.o_proj.forward_add_norm(out, *then)
+            if pending is not None:
+                return pending
         return self.o_proj(out)
 
 
@@ -56,8 +68,17 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | PendingNorm, then: tuple | None = None) -> torch.Tensor | PendingNorm:
+        """The MLP of x, normalized rows or a PendingNorm (whose norm gate_up applies). then =
+        (residual, norm): where down_proj can, its output plus the residual with that norm pending."""
+        gate_up = (linear_normed(x, self.gate_up_proj.weight, self.gate_up_proj.bias) if isinstance(x, PendingNorm)
+                   else self.gate_up_proj(x))
+        act = silu_and_mul(gate_up)
+        if then is not None:
+            pending = self.down_proj.forward_add_norm(act, *then)
+            if pending is not None:
+                return pending
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -68,14 +89,23 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, ctx):
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
+    def forward(self, positions, hidden, residual, ctx, next_norm: RMSNorm | None = None):
+        """-> (output, residual), or (PendingNorm, None) with next_norm (the next layer's input
+        norm) left pending. At decode sizes on a GPU a norm rides on the GEMM ahead of it and the
+        GEMM after it (kernels.linear.PendingNorm) instead of a launch of its own."""
+        if isinstance(hidden, PendingNorm):  # the layer ahead left this layer's input norm pending
+            x, residual = hidden, hidden.s
+        elif residual is None:
+            x, residual = self.input_layernorm(hidden), hidden
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, ctx)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            x, residual = self.input_layernorm(hidden, residual)
+        out = self.self_attn(positions, x, ctx, then=(residual, self.post_attention_layernorm))
+        if isinstance(out, PendingNorm):
+            x, residual = out, out.s
+        else:
+            x, residual = self.post_attention_layernorm(out, residual)
+        out = self.mlp(x, None if next_norm is None else (residual, next_norm))
+        return out, None if isinstance(out, PendingNorm) else residual
 
 
 class DecoderModel(nn.Module):
@@ -87,8 +117,10 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids, positions, ctx):
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, ctx)
+        pend_input = kernels.linear.FOLD_INPUT_NORM
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_layernorm if pend_input and i + 1 < len(self.layers) else None
+            hidden, residual = layer(positions, hidden, residual, ctx, next_norm)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

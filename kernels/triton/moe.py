@@ -188,13 +188,24 @@ def _valid_pairs(ids_ptr, token, num_experts, TOP_K: tl.constexpr, K_PAD: tl.con
 
 @triton.jit
 def _sum_pairs_tile(pair_out_ptr, stride_p, ids_ptr, sum_ptr, token, rn, n_mask, N, num_experts,
-                    TOP_K: tl.constexpr, K_PAD: tl.constexpr):
+                    res_ptr, g_ptr, sg_ptr, ss_ptr, strip, strips,
+                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM_OUT: tl.constexpr):
     """sum_ptr[token, rn] = the token's pair rows of pair_out at columns rn, summed in float32
-    (pairs whose expert is not held here left out)."""
+    (pairs whose expert is not held here left out). NORM_OUT: plus the residual row (res_ptr),
+    with the RMSNorm after it left pending as kernels/triton/linear.py leaves it: the sum times
+    the norm weight to sg_ptr, the tile's sum of squares to ss_ptr[token, strip]."""
     slot, valid = _held_slots(ids_ptr, token, num_experts, TOP_K, K_PAD)
     v = tl.load(pair_out_ptr + (token * TOP_K + slot)[:, None] * stride_p + rn[None, :],
                 mask=valid[:, None] & n_mask[None, :], other=0.0, cache_modifier=".cg")
-    tl.store(sum_ptr + token * N + rn, tl.sum(v.to(tl.float32), axis=0).to(sum_ptr.dtype.element_ty), mask=n_mask)
+    y = tl.sum(v.to(tl.float32), axis=0).to(sum_ptr.dtype.element_ty)
+    if NORM_OUT:
+        r = tl.load(res_ptr + token * N + rn, mask=n_mask, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) + r).to(y.dtype)
+        sf = tl.where(n_mask, y.to(tl.float32), 0.0)
+        tl.store(ss_ptr + token * strips + strip, tl.sum(sf * sf, axis=0))
+        g = tl.load(g_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(sg_ptr + token * N + rn, (sf * g).to(y.dtype), mask=n_mask)
+    tl.store(sum_ptr + token * N + rn, y, mask=n_mask)
 
 
 @triton.jit
@@ -216,12 +227,13 @@ def _rank_pair(logits_ptr, stride_l, pair, num_experts, rounds, TOP_K: tl.conste
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, topk_w_ptr,
     N, K, stride_am, stride_we, stride_wn, stride_om, num_n_tiles, num_experts, sum_ptr, ticket_ptr,
-    logits_ptr, stride_l,
+    logits_ptr, stride_l, ss_in_ptr, in_strips, eps, res_ptr, g_ptr, sg_ptr, ss_ptr,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, GATED: tl.constexpr,
     PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, FUSED_SUM: tl.constexpr, K_PAD: tl.constexpr,
     ROUTE: tl.constexpr, E_PAD: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
-    PARTIAL: tl.constexpr, EARLY_EXPERT: tl.constexpr, PDL: tl.constexpr,
+    PARTIAL: tl.constexpr, EARLY_EXPERT: tl.constexpr, NORM_IN: tl.constexpr, S_PAD: tl.constexpr,
+    NORM_OUT: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[rows] = a[rows] @ w[e].T for the BLOCK_M rows of one expert block.
 
@@ -241,6 +253,11 @@ def _grouped_gemm_kernel(
     weight load, so the short ones start streaming sooner.
     EARLY_EXPERT (PAIRS, second GEMM after a ROUTE one): the pair's expert is ranked from the
     router logits (two launches back, complete) before the wait, not read from the first GEMM.
+    NORM_IN (first GEMM): a rows are s * norm weight from a NORM_OUT GEMM (kernels/triton/linear.py)
+    and ss_in_ptr [rows, in_strips] its partial sums of squares of s: the accumulators are scaled
+    by the row's rsqrt(mean(s^2) + eps) before the activation, which makes the rows rms_norm(s).
+    NORM_OUT (FUSED_SUM): the token's sum plus the residual, the next RMSNorm left pending
+    (_sum_pairs_tile).
     """
     # N tiles vary fastest: the programs in flight share the block's rows and the expert's weights
     pid = tl.program_id(0)
@@ -283,6 +300,12 @@ def _grouped_gemm_kernel(
         own_row = block.to(tl.int64) * BLOCK_M + rm
         pair = tl.load(sorted_ptr + own_row, mask=row_mask, other=0).to(tl.int64)
     a_row = pair // TOP_K if GATHER_A else own_row
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM_IN:
+        sp = tl.arange(0, S_PAD)
+        ss = tl.load(ss_in_ptr + a_row[:, None] * in_strips + sp[None, :],
+                     mask=row_mask[:, None] & (sp < in_strips)[None, :], other=0.0)
+        rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rk = tl.arange(0, BLOCK_K)
@@ -302,6 +325,9 @@ def _grouped_gemm_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out_ty = out_ptr.dtype.element_ty
+    if NORM_IN:
+        acc *= rstd[:, None]
+        acc_up *= rstd[:, None]
     if GATED:  # rounded like the reference: silu(gate) * up on x.dtype values
         gate = acc.to(out_ty).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
@@ -321,17 +347,19 @@ def _grouped_gemm_kernel(
         if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == _valid_pairs(
                 block_expert_ptr, token, num_experts, TOP_K, K_PAD) - 1:
             _sum_pairs_tile(out_ptr, stride_om, block_expert_ptr, sum_ptr, token, rn, n_mask, N, num_experts,
-                            TOP_K, K_PAD)
+                            res_ptr, g_ptr, sg_ptr, ss_ptr, pid_n, num_n_tiles, TOP_K, K_PAD, NORM_OUT)
             tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _sum_topk_kernel(pair_out_ptr, ids_ptr, out_ptr, H, num_experts,
-                     TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _sum_topk_kernel(pair_out_ptr, ids_ptr, out_ptr, H, num_experts, res_ptr, g_ptr, sg_ptr, ss_ptr,
+                     TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr, NORM_OUT: tl.constexpr,
+                     PDL: tl.constexpr):
     wait_previous(PDL)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     _sum_pairs_tile(pair_out_ptr, H, ids_ptr, out_ptr, tl.program_id(0).to(tl.int64), cols, cols < H, H,
-                    num_experts, TOP_K, K_PAD)
+                    num_experts, res_ptr, g_ptr, sg_ptr, ss_ptr, tl.program_id(1), tl.num_programs(1),
+                    TOP_K, K_PAD, NORM_OUT)
 
 
 def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
@@ -363,26 +391,32 @@ def fused_experts_triton(
 
 def routed_experts_triton(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-    renormalize: bool, scoring: str = "softmax",
-) -> torch.Tensor:
+    renormalize: bool, scoring: str = "softmax", norm_in: tuple[torch.Tensor, float] | None = None,
+    norm_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_routing_triton, then fused_experts_triton, every expert held here. With a block per
     pair (decode) and FUSED_ROUTING, the first expert GEMM ranks the experts itself: one launch
-    fewer, the same weights and experts."""
+    fewer, the same weights and experts. norm_in = (ss, eps): x is s * norm weight and ss the
+    partial sums of squares from kernels/triton/linear.py skinny_linear_add_norm_triton; the
+    experts see rms_norm(s). norm_out = (residual, norm weight): returns (s, sg, ss), the output
+    plus the residual with the next RMSNorm left pending (kernels/triton/linear.py)."""
     num_tokens = x.shape[0]
     if not (FUSED_ROUTING and 0 < num_tokens * top_k <= _PAIR_BLOCKS):
         weights, ids = topk_routing_triton(router_logits, top_k, renormalize, scoring)
-        return _fused_experts(x, w13, w2, weights, ids)
+        return _fused_experts(x, w13, w2, weights, ids, norm_in=norm_in, norm_out=norm_out)
     check_routing(router_logits, top_k, scoring)  # (topk_routing_triton checks on the other path)
     weights = torch.empty(num_tokens, top_k, device=x.device, dtype=torch.float32)
     ids = torch.empty(num_tokens, top_k, device=x.device, dtype=torch.int32)
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    return _fused_experts(x, w13, w2, weights, ids, router=(logits, renormalize, scoring == "softmax"))
+    return _fused_experts(x, w13, w2, weights, ids, router=(logits, renormalize, scoring == "softmax"),
+                          norm_in=norm_in, norm_out=norm_out)
 
 
-def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, router: tuple | None = None):
+def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, router: tuple | None = None,
+                   norm_in: tuple | None = None, norm_out: tuple | None = None):
     """fused_experts_triton with an optional explicit tile config (benchmark sweeps). router =
     (logits [T, E], renormalize, softmax): topk_weights / topk_ids are outputs, filled by the
-    first GEMM (a block per pair only)."""
+    first GEMM (a block per pair only). norm_in / norm_out: see routed_experts_triton."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -390,7 +424,7 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
     num_pairs = num_tokens * top_k
     out = torch.empty_like(x)
     if num_tokens == 0:
-        return out
+        return (out, out, torch.zeros(16, 1, device=x.device)) if norm_out is not None else out
     x = x if x.stride(-1) == 1 else x.contiguous()
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
@@ -419,36 +453,53 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
         sorted_pairs, block_expert, block_rows = _align(topk_ids, num_experts, block_m, num_blocks)
         act_rows = num_blocks * block_m
     act = torch.empty(act_rows, inter, device=x.device, dtype=x.dtype)
+    ss_in, eps = norm_in if norm_in is not None else (out, 0.0)
+    in_strips = ss_in.shape[1] if norm_in is not None else 1
     n_tiles = triton.cdiv(inter, cfg["BLOCK_N1"])
     k_pad = triton.next_power_of_2(top_k)
     _grouped_gemm_kernel[(num_blocks * n_tiles,)](
         x, w13, act, sorted_pairs, block_expert, block_rows, topk_weights,
         inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), n_tiles, num_experts,
-        out, out, logits, logits.stride(0), GATHER_A=True, SCATTER_OUT=False, GATED=True, PAIRS=pairs,
-        EVEN_K=hidden % meta1["BLOCK_K"] == 0, FUSED_SUM=False, K_PAD=k_pad, EARLY_EXPERT=False, **route, **meta1,
-        **launch_args(x),
+        out, out, logits, logits.stride(0), ss_in, in_strips, eps, out, out, out, out, GATHER_A=True,
+        SCATTER_OUT=False, GATED=True, PAIRS=pairs, EVEN_K=hidden % meta1["BLOCK_K"] == 0, FUSED_SUM=False,
+        K_PAD=k_pad, EARLY_EXPERT=False, NORM_IN=norm_in is not None, S_PAD=triton.next_power_of_2(in_strips),
+        NORM_OUT=False,
+        **route, **meta1, **launch_args(x),
     )
     pair_out = torch.empty(num_pairs, hidden, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(hidden, cfg["BLOCK_N2"])
     fused_sum = cfg.get("FUSED_SUM", FUSED_SUM) and pairs and num_tokens * n_tiles <= MAX_TICKETS
+    sum_block = min(1024, triton.next_power_of_2(hidden))
+    if norm_out is not None:
+        residual, norm_weight = norm_out
+        residual = residual.contiguous()
+        sg = torch.empty_like(out)
+        ss = torch.empty(max(16, num_tokens), n_tiles if fused_sum else triton.cdiv(hidden, sum_block),
+                         device=x.device, dtype=torch.float32)
+        norm_args = (residual, norm_weight, sg, ss)
+    else:
+        norm_args = (out, out, out, out)
     _grouped_gemm_kernel[(num_blocks * n_tiles,)](
         act, w2, pair_out, sorted_pairs, block_expert, block_rows, topk_weights,
         hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), n_tiles, num_experts,
-        out, tickets(x.device), logits, logits.stride(0), GATHER_A=False, SCATTER_OUT=True, GATED=False, PAIRS=pairs,
+        out, tickets(x.device), logits, logits.stride(0), out, 1, 0.0, *norm_args, GATHER_A=False,
+        SCATTER_OUT=True, GATED=False, PAIRS=pairs, NORM_IN=False, S_PAD=1, NORM_OUT=norm_out is not None,
         EVEN_K=inter % meta2["BLOCK_K"] == 0, FUSED_SUM=fused_sum, K_PAD=k_pad,
         EARLY_EXPERT=router is not None and cfg.get("EARLY_EXPERT", EARLY_EXPERT),
         **dict(route, ROUTE=False), **meta2, **launch_args(x),
     )
     if not fused_sum:
-        _sum_topk(pair_out, topk_ids, out, num_experts)
-    return out
+        _sum_topk(pair_out, topk_ids, out, num_experts, sum_block, norm_args, norm_out is not None)
+    return (out, sg, ss) if norm_out is not None else out
 
 
-def _sum_topk(pair_out: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, num_experts: int) -> None:
-    """out[t] = sum of the token's pair rows of pair_out (pairs with a skipped expert left out)."""
+def _sum_topk(pair_out: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, num_experts: int,
+              block: int, norm_args: tuple, norm_out: bool) -> None:
+    """out[t] = sum of the token's pair rows of pair_out (pairs with a skipped expert left out);
+    norm_out: plus the residual, the next norm left pending (norm_args = residual, weight, sg, ss)."""
     (num_tokens, top_k), hidden = topk_ids.shape, out.shape[1]
-    block = min(1024, triton.next_power_of_2(hidden))
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        pair_out, topk_ids, out, hidden, num_experts,
-        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK=block, num_warps=4, **launch_args(out),
+        pair_out, topk_ids, out, hidden, num_experts, *norm_args,
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK=block, NORM_OUT=norm_out, num_warps=4,
+        **launch_args(out),
     )

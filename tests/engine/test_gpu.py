@@ -7,6 +7,7 @@ teacher forcing and every chosen token's logprob must agree.
 import pytest
 import torch
 
+import kernels.linear
 from engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -51,3 +52,26 @@ def test_cuda_graph_and_eager_agree_bf16(tiny_models):
                 kv_cache_memory_bytes=KV_BYTES).generate(prompts, params)
     same = sum(g.token_ids == e.token_ids for g, e in zip(graph, eager))
     assert same >= len(prompts) - 2  # identical math; bf16 ties may differ at most rarely
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_pending_norms_as_close_to_hf_as_norm_launches(tiny_models, arch, monkeypatch):
+    """bf16 decode with each RMSNorm carried by the GEMMs around it (kernels.linear.FOLD_NORM)
+    against HF in float32: the teacher-forced logprobs of the run's own greedy tokens are no
+    further from HF's than those of a run with a launch per norm (a dropped 1/rms, residual or
+    weight moves them by whole units)."""
+    path, hf = tiny_models[arch]
+    hf = hf.to("cuda")
+    err = {}
+    for fold in (False, True):
+        monkeypatch.setattr(kernels.linear, "FOLD_NORM", fold)
+        llm = LLM(path, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=KV_BYTES)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0))
+        err[fold] = max(
+            (torch.tensor([lp.logprobs[0] for lp in out.logprobs], device="cuda")
+             - _hf_logprobs(hf, prompt, out.token_ids)).abs().max().item()
+            for prompt, out in zip(PROMPTS, outs))
+        del llm
+    hf.to("cpu")
+    print(f"{arch}: max |logprob - HF fp32|, norm launches {err[False]:.4f}, carried {err[True]:.4f}")
+    assert err[True] <= 2 * err[False] + 0.02, err

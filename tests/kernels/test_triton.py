@@ -415,6 +415,60 @@ def test_skinny_linear_graph_and_dispatch():
         skinny_linear_triton(torch.zeros(17, 2048, device=DEVICE, dtype=torch.bfloat16), w)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("k1,n,n2", [(4096, 2048, 128), (4096, 4096, 28672), (4096, 2048, 5120), (500, 77, 300)])
+def test_skinny_linear_pending_norm(rows, k1, n, n2):
+    """o_proj-like GEMM + residual with the RMSNorm left pending (NORM_OUT), then the next GEMM
+    applying it (NORM_IN; 128 x 2048 is the MoE router, split 8), against the reference chain
+    (GEMM, add, norm, GEMM); both GEMMs' split paths; two calls (tickets put back)."""
+    from kernels.triton.linear import skinny_linear_add_norm_triton, skinny_linear_normed_triton
+    dtype, eps = torch.bfloat16, 1e-6
+    w1 = (torch.randn(n, k1, device=DEVICE) / math.sqrt(k1)).to(dtype)
+    w2 = (torch.randn(n2, n, device=DEVICE) / math.sqrt(n)).to(dtype)
+    g = (1 + 0.3 * torch.randn(n, device=DEVICE)).to(dtype)
+    for cfg in (None, None, dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=3)):
+        x, res = torch.randn(rows, k1, device=DEVICE).to(dtype), torch.randn(rows, n, device=DEVICE).to(dtype)
+        _poison(rows * (n + n2) * 16)
+        s, sg, ss = skinny_linear_add_norm_triton(x, w1, res, g, cfg)
+        s_ref = (x.double() @ w1.double().t()).to(dtype) + res
+        assert _rel(s, s_ref) < TOL[dtype] and _rel(sg, s_ref * g) < TOL[dtype]
+        y = skinny_linear_normed_triton(sg, w2, ss, eps, cfg)
+        ref = rms_norm_ref(s, g, eps).double() @ w2.double().t()
+        assert y.shape == (rows, n2) and _rel(y, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("model,num_tokens", [("qwen3_30b_a3b", 1), ("qwen3_30b_a3b", 2), ("mixtral_like", 7),
+                                              ("qwen3_30b_a3b", 5)])
+def test_routed_experts_pending_norm(model, num_tokens):
+    """The first expert GEMM applying a pending RMSNorm (rows s * g, the partial sums of squares
+    from the GEMM ahead) against the norm then the experts reference, and the second leaving the
+    next one pending (the fused sum, or the sum launch); 5 x top-8 pairs are grouped (the
+    routing launch), the others a block per pair."""
+    from kernels.triton import moe
+    from kernels.triton.linear import skinny_linear_add_norm_triton, skinny_linear_normed_triton
+    E, k, H, inter = MOE_SHAPES[model]
+    w13 = (torch.randn(E, 2 * inter, H, device=DEVICE) / math.sqrt(H)).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, inter, device=DEVICE) / math.sqrt(inter)).to(torch.bfloat16)
+    w_o = (torch.randn(H, 512, device=DEVICE) / math.sqrt(512)).to(torch.bfloat16)
+    g = (1 + 0.3 * torch.randn(H, device=DEVICE)).to(torch.bfloat16)
+    for _ in range(2):
+        x = torch.randn(num_tokens, 512, device=DEVICE).to(torch.bfloat16)
+        res = torch.randn(num_tokens, H, device=DEVICE).to(torch.bfloat16)
+        logits = torch.randn(num_tokens, E, device=DEVICE).to(torch.bfloat16)
+        s, sg, ss = skinny_linear_add_norm_triton(x, w_o, res, g)
+        out = moe.routed_experts_triton(sg, logits, w13, w2, k, True, "softmax", (ss, 1e-6))
+        weights, ids = topk_routing_ref(logits, k, True, "softmax")
+        ref = fused_experts_ref(rms_norm_ref(s, g, 1e-6), w13, w2, weights, ids)
+        assert _rel(out, ref) < TOL[torch.bfloat16]
+        # the output plus the residual with the next norm left pending, applied by the next GEMM
+        g2 = (1 + 0.3 * torch.randn(H, device=DEVICE)).to(torch.bfloat16)
+        w_q = (torch.randn(640, H, device=DEVICE) / math.sqrt(H)).to(torch.bfloat16)
+        s2, sg2, ss2 = moe.routed_experts_triton(sg, logits, w13, w2, k, True, "softmax", (ss, 1e-6), (s, g2))
+        assert _rel(s2, out + s) < TOL[torch.bfloat16] and _rel(sg2, s2 * g2) < TOL[torch.bfloat16]
+        q = skinny_linear_normed_triton(sg2, w_q, ss2, 1e-6)
+        assert _rel(q, rms_norm_ref(s2, g2, 1e-6).double() @ w_q.double().t()) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("model,num_tokens", [("qwen3_30b_a3b", 1), ("qwen3_30b_a3b", 2), ("mixtral_like", 1),
                                               ("mixtral_like", 7)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

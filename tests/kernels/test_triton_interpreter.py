@@ -1,6 +1,7 @@
 """The Triton kernels' logic on CPU, in Triton's interpreter: the decode-path kernels the engine
-runs on a GPU by default (argmax, the decode GEMM with its split-K tickets, routing inside the
-expert GEMM and the fused top-k sum, paged attention with split-K) against their torch
+runs on a GPU by default (argmax, the decode GEMM with its split-K tickets and the RMSNorm it
+carries to the next GEMM, routing and that norm inside the expert GEMMs and the fused top-k sum,
+paged attention with split-K) against their torch
 references, so CI without a GPU checks them too. Timing, PDL and tile scheduling are a GPU's;
 tests/kernels/test_triton.py checks those there.
 
@@ -17,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-CASES = ["argmax", "argmax_split_ties_nan", "skinny_gemm", "skinny_gemm_split", "topk_routing",
-         "routed_experts_decode", "routed_experts_no_local_expert", "paged_attention_split",
-         "paged_attention_prefill_scalar_table"]
+CASES = ["argmax", "argmax_split_ties_nan", "skinny_gemm", "skinny_gemm_split", "skinny_gemm_pending_norm",
+         "topk_routing", "routed_experts_decode", "routed_experts_pending_norm", "routed_experts_no_local_expert",
+         "paged_attention_split", "paged_attention_prefill_scalar_table"]
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -38,13 +39,29 @@ def run_case(name: str) -> None:
             x[2] = float("-inf")
         for _ in range(2):  # the second call sees the tickets the first put back
             assert torch.equal(argmax_triton(x), x.argmax(-1)), (argmax_triton(x), x.argmax(-1))
-    elif name.startswith("skinny_gemm"):
+    elif name in ("skinny_gemm", "skinny_gemm_split"):
         from kernels.triton.linear import skinny_linear_triton
         m, n, k = (1, 64, 512) if name == "skinny_gemm" else (3, 40, 4096)  # 40 x 4096: K split in 16
         w = (torch.randn(n, k) / k**0.5).half()
         for _ in range(2):
             x = torch.randn(m, k).half()
             assert _rel(skinny_linear_triton(x, w), x.double() @ w.double().t()) < 5e-3
+    elif name == "skinny_gemm_pending_norm":
+        # o_proj-like GEMM + residual with the norm left pending, then the next GEMM applies it;
+        # (40, 4096) and (64, 512) split K (the ticket program adds and sums), (48, 384) does not
+        from kernels.norm import rms_norm_ref
+        from kernels.triton.linear import skinny_linear_add_norm_triton, skinny_linear_normed_triton
+        for m, k1, n, n2 in [(1, 4096, 40, 48), (3, 384, 48, 64), (2, 512, 64, 40)]:
+            w1, w2 = (torch.randn(n, k1) / k1**0.5).half(), (torch.randn(n2, n) / n**0.5).half()
+            g = (1 + 0.3 * torch.randn(n)).half()
+            for _ in range(2):
+                x, res = torch.randn(m, k1).half(), torch.randn(m, n).half()
+                s, sg, ss = skinny_linear_add_norm_triton(x, w1, res, g)
+                s_ref = (x.float() @ w1.float().t()).half() + res
+                h_ref = rms_norm_ref(s_ref, g, 1e-6)
+                assert _rel(s, s_ref) < 1e-3 and _rel(sg, s_ref * g) < 1e-3, (m, k1, n)
+                y = skinny_linear_normed_triton(sg, w2, ss, 1e-6)
+                assert _rel(y, h_ref.double() @ w2.double().t()) < 5e-3, (m, k1, n)
     elif name == "topk_routing":
         from kernels.moe import topk_routing_ref
         from kernels.triton.routing import topk_routing_triton
@@ -75,6 +92,25 @@ def run_case(name: str) -> None:
                     assert torch.equal(out, moe.routed_experts_triton(x, logits, w13, w2, k, True, scoring))
                 finally:
                     moe.FUSED_ROUTING, moe.FUSED_SUM = True, True
+        elif name == "routed_experts_pending_norm":  # rows s * g, the norm's 1/rms in the first GEMM
+            from kernels.norm import rms_norm_ref
+            from kernels.triton.linear import skinny_linear_add_norm_triton, skinny_linear_normed_triton
+            g = (1 + 0.3 * torch.randn(H)).half()
+            w_o = (torch.randn(H, 96) / 96**0.5).half()
+            for tokens in (1, 5):  # 5 x 4 pairs: grouped, the routing launch
+                x, res, logits = torch.randn(tokens, 96).half(), torch.randn(tokens, H).half(), torch.randn(tokens, E).half()
+                s, sg, ss = skinny_linear_add_norm_triton(x, w_o, res, g)
+                out = moe.routed_experts_triton(sg, logits, w13, w2, k, True, "softmax", (ss, 1e-6))
+                w, ids = topk_routing_ref(logits, k, True)
+                ref = fused_experts_ref(rms_norm_ref(s, g, 1e-6), w13, w2, w, ids)
+                assert _rel(out, ref) < 5e-3, tokens
+                # and the experts' output plus the residual with the next norm left pending (the
+                # fused sum at 1 token, the sum launch at 5), applied by the next GEMM
+                g2, w_q = (1 + 0.3 * torch.randn(H)).half(), (torch.randn(80, H) / H**0.5).half()
+                s2, sg2, ss2 = moe.routed_experts_triton(sg, logits, w13, w2, k, True, "softmax", (ss, 1e-6), (s, g2))
+                assert _rel(s2, ref + s) < 5e-3 and _rel(sg2, (ref + s) * g2) < 5e-3, tokens
+                q = skinny_linear_normed_triton(sg2, w_q, ss2, 1e-6)
+                assert _rel(q, rms_norm_ref(s2, g2, 1e-6).double() @ w_q.double().t()) < 5e-3, tokens
         else:  # expert parallel: a token with no expert held here gets a zero row from the fused sum
             x = torch.randn(3, H).half()
             w, ids = topk_routing_ref(torch.randn(3, E), k, True)
