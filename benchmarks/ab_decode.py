@@ -17,6 +17,7 @@ what the engine runs by default). Switches (module constants of kernels/):
   eexpert  kernels.triton.moe.EARLY_EXPERT      the second expert GEMM ranks its expert before the wait (MoE only)
   norm     kernels.linear.FOLD_NORM             the RMSNorm after o_proj carried by o_proj and the MLP's first GEMM
   inorm    kernels.linear.FOLD_INPUT_NORM       with norm: the input norm carried by the MLP ahead and qkv
+  rope     kernels.attention.FUSED_ROPE         q/k norm, rotary and KV store done by the attention launch
 
   python -m benchmarks.ab_decode --models llama3-8b --variants base argmax moesum all
 """
@@ -40,6 +41,7 @@ SWITCHES = {
     "eexpert": ("kernels.triton.moe", "EARLY_EXPERT"),
     "norm": ("kernels.linear", "FOLD_NORM"),
     "inorm": ("kernels.linear", "FOLD_INPUT_NORM"),
+    "rope": ("kernels.attention", "FUSED_ROPE"),
 }
 MOE_SWITCHES = {"moesum", "route", "partial", "eexpert"}
 

@@ -8,9 +8,28 @@ One call serves prefill, chunked prefill and decode: a batch is a flat run of
 query tokens, sequence s owning q[query_start_loc[s]:query_start_loc[s+1]],
 which are the *last* tokens of its seq_lens[s] tokens of context (causal).
 """
+from dataclasses import dataclass
+
 import torch
 
 from kernels.backend import use_triton
+
+# a decode batch's rotary embedding, q/k norm and KV store done by the attention launch (GPU)
+# instead of a launch of its own; benchmarks/ab_decode.py switch `rope`
+FUSED_ROPE = True
+
+
+@dataclass
+class NewTokens:
+    """What rotary_store_kvcache would do before attention, left to paged_attention: the new
+    tokens' raw k, v [T, Hk, D], their positions [T] and slots [T], the [cos | sin] cache, and
+    (q weight, k weight, eps) when q and k heads are RMS-normalized first (Qwen3)."""
+    positions: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
 
 
 def store_kvcache_ref(
@@ -69,14 +88,21 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
     max_query_len: int | None = None, max_seq_len: int | None = None,
-    dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope: NewTokens | None = None,
 ) -> torch.Tensor:
     """See module docstring. max_query_len / max_seq_len are upper bounds the GPU path may use
     for launch grids; they must not be exceeded by the data. dense_kv = (new keys, new values)
     as stored, when every sequence of more than one new token starts at position 0: the GPU
-    path then reads a prefill's keys from them instead of gathering them through the block table."""
+    path then reads a prefill's keys from them instead of gathering them through the block table.
+    rope: q is raw and the new tokens still to normalize, rotate and store; on the GPU a decode
+    batch (max_query_len 1) has that done by the attention launch, else it runs first."""
+    if rope is not None and not (FUSED_ROPE and use_triton(q) and max_query_len == 1 and dense_kv is None):
+        from kernels.rotary import rotary_store_kvcache  # (it imports this module)
+        q = rotary_store_kvcache(rope.positions, q, rope.k, rope.v, rope.cos_sin_cache, k_cache, v_cache,
+                                 rope.slot_mapping, rope.qk_norm)
+        rope = None
     if use_triton(q):
         from kernels.triton.attention import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens,
-                                      query_start_loc, scale, max_query_len, max_seq_len, dense_kv)
+                                      query_start_loc, scale, max_query_len, max_seq_len, dense_kv, rope)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)

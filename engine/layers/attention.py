@@ -4,6 +4,7 @@ from torch import nn
 
 from engine.forward_context import ForwardContext
 from kernels import paged_attention, rotary_store_kvcache, store_kvcache
+from kernels.attention import NewTokens
 
 
 class Attention(nn.Module):
@@ -21,17 +22,21 @@ class Attention(nn.Module):
                 qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hk, D] -> [T, Hq * D]. With positions [T] and cos_sin_cache,
         q and k are first RMS-normalized per head (qk_norm = (q weight, k weight, eps)) and rotated,
-        in the launch that stores k and v (one kernel for what took up to four)."""
+        in the launch that stores k and v (one kernel for what took up to four), or in the
+        attention launch itself (a decode batch on the GPU, kernels.attention.NewTokens)."""
         # a fresh prefill's keys are all in k, v: the GPU kernel reads them there, not through the cache
         dense = ctx.prefills_from_start and ctx.max_query_len > 1 and q.is_cuda
+        rope = None
         if cos_sin_cache is None:
             store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
-        else:
+        elif dense or ctx.on_layer_stored is not None:  # (the hook reads the stored layer)
             q = rotary_store_kvcache(positions, q, k, v, cos_sin_cache, self.k_cache, self.v_cache,
                                      ctx.slot_mapping, qk_norm, rotate_k=dense)
+        else:
+            rope = NewTokens(positions, k, v, cos_sin_cache, ctx.slot_mapping, qk_norm)
         if ctx.on_layer_stored is not None:
             ctx.on_layer_stored(self.layer_idx)
         out = paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens,
                               ctx.query_start_loc, self.scale, ctx.max_query_len, ctx.max_seq_len,
-                              (k, v) if dense else None)
+                              (k, v) if dense else None, rope)
         return out.flatten(1)

@@ -135,6 +135,24 @@ def _attend_tiles(
 
 
 @triton.jit
+def _norm_rotate(rows, mask, d_off, partner, cos, sin, w_ptr, eps, NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows [R, D_PAD] at rows + d_off, RMS-normalized over HEAD_DIM with w (NORM; rounded as
+    rms_norm_ref rounds) and rotated NeoX-style: x * cos + x[partner] * sin, where partner is
+    the feature d pairs with and sin carries the sign (cos 1, sin 0 past the rotary dims).
+    Returns float32."""
+    x = tl.load(rows + d_off[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        ty = rows.dtype.element_ty
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+        w = tl.load(w_ptr + d_off, mask=d_off < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(w_ptr + partner, mask=partner < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
+        x = ((x * rstd).to(ty).to(tl.float32) * w).to(ty).to(tl.float32)
+        xp = ((xp * rstd).to(ty).to(tl.float32) * wp).to(ty).to(tl.float32)
+    return x * cos[None, :] + xp * sin[None, :]
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -142,10 +160,11 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    pos_ptr, cos_sin_ptr, stride_cs, slot_ptr, qw_ptr, kw_ptr, eps,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HEAVY_FIRST: tl.constexpr, OFFS_32: tl.constexpr, DENSE: tl.constexpr, BT_SCALAR: tl.constexpr,
-    PDL: tl.constexpr,
+    ROPE: tl.constexpr, QK_NORM: tl.constexpr, ROT: tl.constexpr, PDL: tl.constexpr,
 ):
     # Up to the wait only sequence metadata is read (query_start_loc, seq_lens), which no kernel
     # of the step writes: the dependent loads that place this program run while the kernel ahead
@@ -202,9 +221,31 @@ def _paged_attention_kernel(
         kv_hi = tl.minimum(kv_lo + chunk, kv_end)
     first_pos = ctx_offset + q_block * BLOCK_Q
     full_hi = tl.maximum(kv_lo, kv_lo + (tl.minimum(kv_hi, first_pos + 1) - kv_lo) // BLOCK_N * BLOCK_N)
+    q_rows = q_ptr + tok_idx[:, None] * stride_qt + head[:, None] * stride_qh
+    if ROPE:  # a decode batch whose q and new keys are still to normalize, rotate (and store)
+        half = ROT // 2
+        rot = d_off < ROT
+        partner = tl.where(rot, tl.where(d_off < half, d_off + half, d_off - half), d_off)
+        pos = tl.load(pos_ptr + q_start).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + pos * stride_cs + partner % half, mask=rot, other=1.0).to(tl.float32)
+        sin = tl.load(cos_sin_ptr + pos * stride_cs + half + partner % half, mask=rot, other=0.0).to(tl.float32)
+        sin = tl.where(d_off < half, -sin, sin)
+        slot = tl.load(slot_ptr + q_start).to(tl.int64)
     wait_previous(PDL)
-    q = tl.load(q_ptr + tok_idx[:, None] * stride_qt + head[:, None] * stride_qh + d_off[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if ROPE:
+        q = _norm_rotate(q_rows, row_mask[:, None] & d_mask[None, :], d_off, partner, cos, sin, qw_ptr, eps,
+                         QK_NORM, HEAD_DIM).to(q_ptr.dtype.element_ty)
+        if (kv_hi == ctx_len) & (slot >= 0):  # this program's keys end with the new one: store it
+            k_row = k_new_ptr + q_start.to(tl.int64) * stride_knt + kv_head * stride_knh + tl.zeros([1, 1], tl.int64)
+            k = _norm_rotate(k_row, d_mask[None, :], d_off, partner, cos, sin, kw_ptr, eps, QK_NORM, HEAD_DIM)
+            cache_off = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ko + kv_head * stride_kh
+            tl.store(k_cache_ptr + cache_off + d_off[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=d_mask[None, :])
+            v = tl.load(v_new_ptr + q_start.to(tl.int64) * stride_vnt + kv_head * stride_vnh + d_off, mask=d_mask)
+            tl.store(v_cache_ptr + (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vo + kv_head * stride_vh + d_off,
+                     v.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
+        tl.debug_barrier()  # the key and value stored above are read back with the tiles below
+    else:
+        q = tl.load(q_rows + d_off[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if DENSE:  # the whole context is this step's new tokens (a prefill from position 0): read them
@@ -338,7 +379,7 @@ def paged_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
     max_query_len: int | None = None, max_seq_len: int | None = None,
-    dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope: "NewTokens | None" = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hk, D]; block_tables: [S, max_blocks] int32;
     seq_lens: [S] (context incl. the new tokens); query_start_loc: [S+1]. Returns [T, Hq, D].
@@ -347,14 +388,17 @@ def paged_attention_triton(
     dense_kv = (k, v), [T, Hk, D] each, the new tokens' keys (rotated) and values as the cache
     holds them: the caller's promise that every sequence of more than one new token starts at
     position 0, so the prefill launch reads its keys from them (rows, no block table).
+    rope: a decode batch's new tokens (one a sequence; max_query_len 1) as the qkv GEMM left
+    them: q (raw), k and v are normalized, rotated and stored by the attention programs, as
+    kernels.rotary.rotary_store_kvcache would have done in a launch of its own.
     """
     return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                            max_query_len, max_seq_len, dense_kv=dense_kv)
+                            max_query_len, max_seq_len, dense_kv=dense_kv, rope=rope)
 
 
 def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                      max_query_len=None, max_seq_len=None, plan: dict | None = None,
-                     dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+                     dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope=None):
     """paged_attention_triton with an optional explicit launch plan (benchmark sweeps)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
@@ -375,6 +419,17 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
     plans = [dict(plan, Q_RANGE=_ALL_Q)] if plan else _launch_plans(
         q, group, num_seqs, num_kv_heads, max_query_len, kv_bound, dense_kv is not None)
     k_new, v_new = dense_kv if dense_kv is not None else (k_cache[0], v_cache[0])  # [rows, Hk, D] either way
+    rope_args = (q, q, 0, q, q, q, 0.0)  # unused without rope
+    if rope is not None:
+        if max_query_len != 1 or dense_kv is not None:
+            raise ValueError("attention with rope takes decode batches (max_query_len 1) only")
+        for t in (rope.k, rope.v, rope.cos_sin_cache):
+            if t.stride(-1) != 1:
+                raise ValueError(f"rope inputs need a unit stride on the last dim, got strides {t.stride()}")
+        k_new, v_new = rope.k, rope.v  # the raw new keys and values, read through the dense pointers
+        q_w, k_w, eps = rope.qk_norm if rope.qk_norm is not None else (q, q, 0.0)  # unused without norm
+        rope_args = (rope.positions, rope.cos_sin_cache, rope.cos_sin_cache.stride(0), rope.slot_mapping,
+                     q_w, k_w, eps)
     d_pad = triton.next_power_of_2(head_dim)
     offs_32 = max(k_cache.shape[0] * k_cache.stride(0), v_cache.shape[0] * v_cache.stride(0),
                   k_new.shape[0] * k_new.stride(0), v_new.shape[0] * v_new.stride(0)) < 2**31
@@ -396,11 +451,13 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+            k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), *rope_args,
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=p["BLOCK_N"], HEAD_DIM=head_dim,
             D_PAD=d_pad, PAGE=page, NUM_SPLITS=splits, HEAVY_FIRST=heavy_first,
             OFFS_32=p.get("OFFS_32", offs_32), DENSE=p.get("DENSE", False) and dense_kv is not None,
             BT_SCALAR=p.get("BT_SCALAR", False) and p["BLOCK_N"] % page == 0,
+            ROPE=rope is not None, QK_NORM=rope is not None and rope.qk_norm is not None,
+            ROT=rope.cos_sin_cache.shape[-1] if rope is not None else 0,
             num_warps=p["num_warps"], num_stages=p["num_stages"], **launch_args(q),
         )
         if splits > 1:

@@ -113,6 +113,36 @@ def test_paged_attention_odd_head_dim_and_group():
     assert _rel(paged_attention_triton(*args, 0.1), ref) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("heads,rot_fraction,qk_norm", [((32, 8), 1.0, True), ((16, 2), 0.5, False), ((8, 8), 1.0, False)])
+def test_paged_attention_rope(heads, rot_fraction, qk_norm):
+    """A decode batch whose q/k norm, rotation and KV store the attention launch does (NewTokens):
+    output and cache against rotary_store_kvcache_ref then paged_attention_ref, with and without
+    split-K (the split holding the new key stores it)."""
+    from kernels.attention import NewTokens
+    from kernels.triton.attention import paged_attention_triton
+    q_lens, ctx_lens = ATTN_CASES["decode"]
+    _, kc, vc, bt, seq_lens, qsl = _paged_inputs(q_lens, ctx_lens, *heads, 128, 16, torch.bfloat16)
+    hq, hk = heads
+    qkv = torch.randn(len(q_lens), hq + 2 * hk, 128, device=DEVICE).to(torch.bfloat16)
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
+    positions = seq_lens.long() - 1
+    slots = bt[torch.arange(len(q_lens), device=DEVICE), positions // 16].long() * 16 + positions % 16
+    rot = int(128 * rot_fraction)
+    cache = build_cos_sin_cache(1.0 / (1e6 ** (torch.arange(0, rot, 2, device=DEVICE).float() / rot)), 9000)
+    norm = ((1 + 0.1 * torch.randn(128, device=DEVICE)).to(torch.bfloat16),
+            (1 + 0.1 * torch.randn(128, device=DEVICE)).to(torch.bfloat16), 1e-6) if qk_norm else None
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q_ref = rotary_store_kvcache_ref(positions, q.clone(), k.clone(), v.clone(), cache, kc_ref, vc_ref, slots, norm)
+    ref = paged_attention_ref(q_ref, kc_ref, vc_ref, bt, seq_lens, qsl, 0.08)
+    q_before = q.clone()
+    for bound in (max(ctx_lens), 16 * bt.shape[1]):
+        kc2, vc2 = kc.clone(), vc.clone()
+        out = paged_attention_triton(q, kc2, vc2, bt, seq_lens, qsl, 0.08, 1, bound,
+                                     rope=NewTokens(positions, k, v, cache, slots, norm))
+        assert _rel(out, ref) < TOL[torch.bfloat16] and _rel(kc2, kc_ref) < TOL[torch.bfloat16] / 4, bound
+        assert torch.equal(vc2, vc_ref) and torch.equal(q, q_before)  # q is read, not rotated in place
+
+
 def test_paged_attention_graph_capture():
     """Decode under CUDA graph capture: no host sync, replays see new lengths."""
     from kernels.triton.attention import paged_attention_triton

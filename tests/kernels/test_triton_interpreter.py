@@ -20,7 +20,7 @@ import torch
 
 CASES = ["argmax", "argmax_split_ties_nan", "skinny_gemm", "skinny_gemm_split", "skinny_gemm_pending_norm",
          "topk_routing", "routed_experts_decode", "routed_experts_pending_norm", "routed_experts_no_local_expert",
-         "paged_attention_split", "paged_attention_prefill_scalar_table"]
+         "paged_attention_split", "paged_attention_rope", "paged_attention_prefill_scalar_table"]
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -129,6 +129,32 @@ def run_case(name: str) -> None:
         qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
         out = paged_attention_triton(q, kc, vc, bt, seq_lens, qsl, 0.2, 1, 80)
         assert _rel(out, paged_attention_ref(q, kc, vc, bt, seq_lens, qsl, 0.2)) < 5e-3
+    elif name == "paged_attention_rope":
+        # a decode batch whose q/k norm, rotation (half the dims) and KV store the attention
+        # programs do: output and cache against the rotary-store reference, then attention
+        from kernels.attention import NewTokens, paged_attention_ref
+        from kernels.rotary import build_cos_sin_cache, rotary_store_kvcache_ref
+        from kernels.triton.attention import paged_attention_triton
+        bs, hq, hk, d = 16, 4, 2, 64
+        kc, vc = torch.randn(24, bs, hk, d).half(), torch.randn(24, bs, hk, d).half()
+        bt = torch.randperm(24, dtype=torch.int32)[:20].repeat(2, 1)
+        seq_lens = torch.tensor([300, 17], dtype=torch.int32)
+        qkv = torch.randn(2, hq + 2 * hk, d).half()
+        q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
+        positions = seq_lens.long() - 1
+        slots = bt[[0, 1], positions // bs].long() * bs + positions % bs
+        cache = build_cos_sin_cache(1.0 / (1e4 ** (torch.arange(0, 32, 2).float() / 32)), 512)
+        norm = ((1 + 0.1 * torch.randn(d)).half(), (1 + 0.1 * torch.randn(d)).half(), 1e-6)
+        qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        q_ref = rotary_store_kvcache_ref(positions, q.clone(), k.clone(), v.clone(), cache, kc_ref, vc_ref, slots,
+                                         norm)
+        ref = paged_attention_ref(q_ref, kc_ref, vc_ref, bt, seq_lens, qsl, 0.2)
+        for bound in (4096, 320):  # 16 splits, 4
+            kc2, vc2 = kc.clone(), vc.clone()
+            out = paged_attention_triton(q, kc2, vc2, bt, seq_lens, qsl, 0.2, 1, bound,
+                                         rope=NewTokens(positions, k, v, cache, slots, norm))
+            assert _rel(out, ref) < 5e-3 and _rel(kc2, kc_ref) < 2e-3 and torch.equal(vc2, vc_ref), bound
     elif name == "paged_attention_prefill_scalar_table":
         # a chunk behind context and a fresh prompt, 16-key tiles over 4-key pages: the tile's
         # block-table entries read as 4 scalars (BT_SCALAR), a ragged last tile, a shuffled table
