@@ -70,7 +70,7 @@ def linear_add_norm(
     """x @ weight.T + residual, with the RMSNorm after it left pending: at decode sizes on a GPU
     (FOLD_NORM on), one launch of the Triton GEMM; else None, and the caller runs `linear` and the
     norm. x: [T, K]; weight: [N, K]; residual: [T, N]; norm_weight: [N]."""
-    if not (can_pend(x) and _skinny_rows(x, weight) and norm_weight.dtype == x.dtype and residual.dtype == x.dtype):
+    if not (can_pend(x) and weight.dtype == norm_weight.dtype == residual.dtype == x.dtype):
         return None
     from kernels.triton.linear import skinny_linear_add_norm_triton
     s, sg, ss = skinny_linear_add_norm_triton(x, weight, residual, norm_weight)

@@ -42,17 +42,38 @@ def _x_tile(x_ptrs, k_left, m_mask, rk, EVEN: tl.constexpr):
 
 
 @triton.jit
+def pend_norm(s, g, mask):
+    """The producer side of a pending RMSNorm (NORM_OUT; also the MoE top-k sum): for the new
+    residual s (the output plus the residual, rounded to the output dtype as the reference rounds
+    the GEMM's output first), s * g rounded and the sums of squares of s along the last axis
+    (columns outside mask count 0). g is float32; g and mask broadcast to s."""
+    sf = tl.where(mask, s.to(tl.float32), 0.0)
+    sumsq = tl.sum(sf * sf, axis=-1)
+    return (sf * g).to(s.dtype), sumsq
+
+
+@triton.jit
+def pending_rstd(ss_ptr, rows, row_mask, strips, K, eps, S_PAD: tl.constexpr):
+    """The consumer side (NORM_IN): each row's rsqrt(mean(s^2) + eps) over K columns, from the
+    producer's [rows, strips] partial sums of squares (S_PAD >= strips)."""
+    sp = tl.arange(0, S_PAD)
+    ss = tl.load(ss_ptr + rows[:, None] * strips + sp[None, :], mask=row_mask[:, None] & (sp < strips)[None, :],
+                 other=0.0)
+    return tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+
+
+@triton.jit
 def _write_out(out_ptrs, acc, out_mask, rm, n_mask, pid_n, r, g, sg_ptrs, ss_ptr, strips,
                NORM_OUT: tl.constexpr):
-    """The strip's output; with NORM_OUT, out = s = acc + residual r (rounded like the reference:
-    the GEMM's output first), sg = s * g and the strip's sums of squares of s."""
+    """The strip's output; with NORM_OUT, out = s = acc + residual r (the GEMM's output rounded
+    first, like the reference), sg = s * g and the strip's sums of squares of s (pend_norm)."""
     y = acc.to(out_ptrs.dtype.element_ty)
     if NORM_OUT:
         s = (y.to(tl.float32) + r).to(y.dtype)
         tl.store(out_ptrs, s, mask=out_mask)
-        sf = tl.where(n_mask[None, :], s.to(tl.float32), 0.0)
-        tl.store(ss_ptr + rm * strips + pid_n, tl.sum(sf * sf, axis=1))
-        tl.store(sg_ptrs, (sf * g[None, :]).to(y.dtype), mask=out_mask)
+        sg, sumsq = pend_norm(s, g[None, :], n_mask[None, :])
+        tl.store(ss_ptr + rm * strips + pid_n, sumsq)
+        tl.store(sg_ptrs, sg, mask=out_mask)
     else:
         tl.store(out_ptrs, y, mask=out_mask)
 
@@ -95,10 +116,7 @@ def _skinny_gemm_kernel(
         g = tl.load(g_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM_IN:
-        sp = tl.arange(0, S_PAD)
-        ss = tl.load(ss_in_ptr + rm[:, None] * in_strips + sp[None, :], mask=m_mask[:, None] & (sp < in_strips)[None, :],
-                     other=0.0)
-        rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+        rstd = pending_rstd(ss_in_ptr, rm, m_mask, in_strips, K, eps, S_PAD)
     if PRELOAD:
         a = _x_tile(x_ptrs, k_hi - k, m_mask, rk, False)
         acc = tl.dot(a, w0, acc)

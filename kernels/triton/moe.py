@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.device import MAX_TICKETS, tickets
+from kernels.triton.linear import MAX_ROWS, pend_norm, pending_rstd
 from kernels.triton.pdl import launch_args, wait_previous
 from kernels.triton.routing import check_routing, topk_of_rows, topk_routing_triton
 
@@ -201,10 +202,10 @@ def _sum_pairs_tile(pair_out_ptr, stride_p, ids_ptr, sum_ptr, token, rn, n_mask,
     if NORM_OUT:
         r = tl.load(res_ptr + token * N + rn, mask=n_mask, other=0.0).to(tl.float32)
         y = (y.to(tl.float32) + r).to(y.dtype)
-        sf = tl.where(n_mask, y.to(tl.float32), 0.0)
-        tl.store(ss_ptr + token * strips + strip, tl.sum(sf * sf, axis=0))
         g = tl.load(g_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(sg_ptr + token * N + rn, (sf * g).to(y.dtype), mask=n_mask)
+        sg, sumsq = pend_norm(y, g, n_mask)
+        tl.store(ss_ptr + token * strips + strip, sumsq)
+        tl.store(sg_ptr + token * N + rn, sg, mask=n_mask)
     tl.store(sum_ptr + token * N + rn, y, mask=n_mask)
 
 
@@ -302,10 +303,7 @@ def _grouped_gemm_kernel(
     a_row = pair // TOP_K if GATHER_A else own_row
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM_IN:
-        sp = tl.arange(0, S_PAD)
-        ss = tl.load(ss_in_ptr + a_row[:, None] * in_strips + sp[None, :],
-                     mask=row_mask[:, None] & (sp < in_strips)[None, :], other=0.0)
-        rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+        rstd = pending_rstd(ss_in_ptr, a_row, row_mask, in_strips, K, eps, S_PAD)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rk = tl.arange(0, BLOCK_K)
@@ -424,7 +422,7 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
     num_pairs = num_tokens * top_k
     out = torch.empty_like(x)
     if num_tokens == 0:
-        return (out, out, torch.zeros(16, 1, device=x.device)) if norm_out is not None else out
+        return (out, out, torch.zeros(MAX_ROWS, 1, device=x.device)) if norm_out is not None else out
     x = x if x.stride(-1) == 1 else x.contiguous()
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
@@ -474,7 +472,7 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
         residual, norm_weight = norm_out
         residual = residual.contiguous()
         sg = torch.empty_like(out)
-        ss = torch.empty(max(16, num_tokens), n_tiles if fused_sum else triton.cdiv(hidden, sum_block),
+        ss = torch.empty(max(MAX_ROWS, num_tokens), n_tiles if fused_sum else triton.cdiv(hidden, sum_block),
                          device=x.device, dtype=torch.float32)
         norm_args = (residual, norm_weight, sg, ss)
     else:
