@@ -33,15 +33,15 @@ import torch
 from benchmarks.roofline import MODELS, build, copy_bandwidth, kv_bytes, param_bytes, step_times
 
 SWITCHES = {
-    "argmax": ("kernels.sampling", "TRITON_ARGMAX"),
-    "moesum": ("kernels.triton.moe", "FUSED_SUM"),
-    "lmhead": ("engine.layers.embedding", "TRITON_LM_HEAD"),
-    "route": ("kernels.triton.moe", "FUSED_ROUTING"),
-    "partial": ("kernels.triton.moe", "PARTIAL_TOPK"),
-    "eexpert": ("kernels.triton.moe", "EARLY_EXPERT"),
-    "norm": ("kernels.linear", "FOLD_NORM"),
-    "inorm": ("kernels.linear", "FOLD_INPUT_NORM"),
-    "rope": ("kernels.attention", "FUSED_ROPE"),
+    "argmax": ("tandem.kernels.sampling", "TRITON_ARGMAX"),
+    "moesum": ("tandem.kernels.triton.moe", "FUSED_SUM"),
+    "lmhead": ("tandem.engine.layers.embedding", "TRITON_LM_HEAD"),
+    "route": ("tandem.kernels.triton.moe", "FUSED_ROUTING"),
+    "partial": ("tandem.kernels.triton.moe", "PARTIAL_TOPK"),
+    "eexpert": ("tandem.kernels.triton.moe", "EARLY_EXPERT"),
+    "norm": ("tandem.kernels.linear", "FOLD_NORM"),
+    "inorm": ("tandem.kernels.linear", "FOLD_INPUT_NORM"),
+    "rope": ("tandem.kernels.attention", "FUSED_ROPE"),
 }
 MOE_SWITCHES = {"moesum", "route", "partial", "eexpert"}
 
@@ -58,7 +58,7 @@ def apply(variant: str) -> None:
 
 
 def recapture(runner, batch: int) -> None:
-    from engine.cuda_graphs import DecodeGraphs
+    from tandem.engine.cuda_graphs import DecodeGraphs
 
     torch.cuda.synchronize()
     runner.graphs = None
@@ -70,8 +70,8 @@ def recapture(runner, batch: int) -> None:
 
 def decode(core, batch: int, context: int, steps: int, tag: str) -> tuple[list[float], list[list[int]]]:
     """Step times of `steps` decode steps and each sequence's greedy tokens."""
-    from engine import SamplingParams
-    from engine.protocol import EngineRequest
+    from tandem.engine import SamplingParams
+    from tandem.engine.protocol import EngineRequest
 
     ids = [f"{tag}-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):

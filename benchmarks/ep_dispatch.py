@@ -104,7 +104,7 @@ def _cases(T: int, rank: int, world: int, dispatchers: dict) -> list:
 def _worker(rank: int, world: int, port: int, tokens: list[int], iters: dict, out_path: str) -> None:
     """All eager rows first, then the CUDA-graph ones; rank 0 rewrites out_path after every row,
     so a failure leaves the rows measured before it."""
-    from kernels.ep import make_dispatcher
+    from tandem.kernels.ep import make_dispatcher
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

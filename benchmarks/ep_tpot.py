@@ -26,8 +26,8 @@ from benchmarks.roofline import MODELS, copy_bandwidth, kv_bytes, param_bytes, t
 
 def _rank(rank: int, world: int, model_dir: str, backend: str, batches: list[int], context: int, steps: int,
           port: int, results, async_scheduling: bool = False) -> None:
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.core import EngineCore
 
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(name)s: %(message)s")
     config = EngineConfig.create(

@@ -19,17 +19,17 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels.attention import store_kvcache_ref  # noqa: E402
-from kernels.moe import fused_experts_ref, topk_routing, topk_routing_ref  # noqa: E402
-from kernels.norm import fused_add_rms_norm_ref  # noqa: E402
-from kernels.rotary import apply_rotary_ref, build_cos_sin_cache  # noqa: E402
-from kernels.triton.activation import silu_and_mul_triton  # noqa: E402
-from kernels.triton.attention import (  # noqa: E402
+from tandem.kernels.attention import store_kvcache_ref  # noqa: E402
+from tandem.kernels.moe import fused_experts_ref, topk_routing, topk_routing_ref  # noqa: E402
+from tandem.kernels.norm import fused_add_rms_norm_ref  # noqa: E402
+from tandem.kernels.rotary import apply_rotary_ref, build_cos_sin_cache  # noqa: E402
+from tandem.kernels.triton.activation import silu_and_mul_triton  # noqa: E402
+from tandem.kernels.triton.attention import (  # noqa: E402
     _paged_attention, paged_attention_triton, store_kvcache_triton)
-from kernels.triton.moe import _fused_experts, fused_experts_triton  # noqa: E402
-from kernels.triton.norm import fused_add_rms_norm_triton, rms_norm_triton  # noqa: E402
-from kernels.triton.rotary import apply_rotary_triton, rotary_store_kvcache_triton  # noqa: E402
-from kernels.triton.routing import topk_routing_triton  # noqa: E402
+from tandem.kernels.triton.moe import _fused_experts, fused_experts_triton  # noqa: E402
+from tandem.kernels.triton.norm import fused_add_rms_norm_triton, rms_norm_triton  # noqa: E402
+from tandem.kernels.triton.rotary import apply_rotary_triton, rotary_store_kvcache_triton  # noqa: E402
+from tandem.kernels.triton.routing import topk_routing_triton  # noqa: E402
 
 DEV, BF16 = "cuda", torch.bfloat16
 HQ, HK, D, PAGE, HIDDEN = 32, 8, 128, 16, 4096
@@ -342,7 +342,7 @@ def sweep_chunk_attention():
 def sweep_decode_attention():
     """Decode launch plans as a CUDA graph runs them: max_seq_len = max_model_len (8192), so the
     split count is fixed for the longest context and the keys per split adapt at run time."""
-    from kernels.triton.attention import _launch_plans
+    from tandem.kernels.triton.attention import _launch_plans
     for batch, ctx in [(1, 1024), (1, 4096), (8, 1024), (64, 1024)]:
         q, kc, vc, bt, sl, qsl = paged_setup(batch, ctx, 1)
         default = _launch_plans(q, HQ // HK, batch, HK, 1, 8192)[0]

@@ -25,9 +25,9 @@ def _cache(num_blocks: int, device: str) -> torch.Tensor:
 
 
 def _agent(cache: torch.Tensor, transport: str, name: str):
-    from connectors.agent import KVAgent
-    from connectors.protocol import KVLayout
-    from connectors.transport import make_transport
+    from tandem.connectors.agent import KVAgent
+    from tandem.connectors.protocol import KVLayout
+    from tandem.connectors.transport import make_transport
 
     agent = KVAgent(name, cache, KVLayout(dtype="bfloat16", **LAYOUT), "127.0.0.1", 0, 30.0, lambda *a: None)
     agent.transport = make_transport(transport, cache, agent)

@@ -36,11 +36,11 @@ def previous_paths():
     """The decode paths before the fused launches: q/k RMSNorm, rotary and KV store as separate
     kernels, routing in torch ops, MoE grouping even for a handful of pairs, no LM head in
     graphs (see profile_variant)."""
-    import engine.layers.moe as layer_moe
-    import engine.models.llama as llama
-    import kernels.triton.moe as triton_moe
-    from kernels import paged_attention, store_kvcache
-    from kernels.moe import topk_routing_ref
+    import tandem.engine.layers.moe as layer_moe
+    import tandem.engine.models.llama as llama
+    import tandem.kernels.triton.moe as triton_moe
+    from tandem.kernels import paged_attention, store_kvcache
+    from tandem.kernels.moe import topk_routing_ref
 
     def forward(self, positions, x, ctx):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -68,7 +68,7 @@ def previous_paths():
 
 
 def recapture(runner, batch: int, with_logits: bool) -> None:
-    from engine.cuda_graphs import DecodeGraphs
+    from tandem.engine.cuda_graphs import DecodeGraphs
 
     runner.graphs = None
     gc.collect()
@@ -165,7 +165,7 @@ def linear_table(model, batch: int, bw: float) -> list[dict]:
     """Each linear weight of layer 0 (and the LM head) as a GEMM at this batch, timed inside a graph
     of back-to-back calls: cuBLAS, and what the engine runs (kernels.linear: the Triton GEMM at
     <= 16 rows, the LM head included)."""
-    from kernels.linear import linear
+    from tandem.kernels.linear import linear
     layer = model.model.layers[0]
     weights = {n: m.weight for n, m in layer.named_modules() if hasattr(m, "weight") and m.weight is not None
                and m.weight.dim() == 2}
@@ -197,8 +197,8 @@ def replay_launch_us(graph, reps: int = 20) -> float:
 
 
 def profile_variant(llm, batch: int, label: str, with_logits: bool, steps: int) -> dict:
-    from engine import model_runner
-    from engine.sampler import SamplingBatch, sample
+    from tandem.engine import model_runner
+    from tandem.engine.sampler import SamplingBatch, sample
 
     core, runner = llm.engine, llm.engine.runner
     recapture(runner, batch, with_logits)
@@ -272,9 +272,9 @@ def main() -> None:
                          "the table includes its wait for the kernel ahead, so --no-pdl attributes time per kernel")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from engine import SamplingParams
-    from engine.protocol import EngineRequest
-    from kernels.triton import pdl
+    from tandem.engine import SamplingParams
+    from tandem.engine.protocol import EngineRequest
+    from tandem.kernels.triton import pdl
 
     pdl.set_enabled(args.pdl)
 

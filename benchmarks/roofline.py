@@ -65,7 +65,7 @@ def matmul_rate() -> float:
 
 
 def build(name: str, **kw):
-    from engine import LLM
+    from tandem.engine import LLM
 
     d = Path(tempfile.mkdtemp()) / name
     d.mkdir()
@@ -110,8 +110,8 @@ def step_times(core, steps: int) -> list[float]:
 def time_decode(core, batch: int, context: int, steps: int = 32) -> float:
     """Median seconds per decode step of EngineCore `core` with `batch` sequences at ~`context`
     tokens (lockstep DP ranks call it together: they take the same steps)."""
-    from engine import SamplingParams
-    from engine.protocol import EngineRequest
+    from tandem.engine import SamplingParams
+    from tandem.engine.protocol import EngineRequest
 
     for i in range(batch):
         core.add_request(EngineRequest(f"r{i}", [(i * 7 + j) % 1000 + 1 for j in range(context)],
@@ -125,8 +125,8 @@ def time_decode(core, batch: int, context: int, steps: int = 32) -> float:
 
 
 def time_prefill(llm, tokens: int) -> float:
-    from engine import SamplingParams
-    from engine.protocol import EngineRequest
+    from tandem.engine import SamplingParams
+    from tandem.engine.protocol import EngineRequest
 
     core = llm.engine
     best = float("inf")
@@ -162,8 +162,8 @@ def main() -> None:
                          "default): --no-skinny-gemm measures them on torch (cuBLAS)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from kernels import linear
-    from kernels.triton import pdl
+    from tandem.kernels import linear
+    from tandem.kernels.triton import pdl
     pdl.set_enabled(args.pdl)
     linear.set_skinny(args.skinny_gemm)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")

@@ -14,9 +14,9 @@ from typing import Callable
 import torch
 import zmq
 
-from connectors.protocol import (BlocksData, Handshake, HandshakeReply, KVLayout, ReadBlocks, WriteBlocks, decoder,
+from tandem.connectors.protocol import (BlocksData, Handshake, HandshakeReply, KVLayout, ReadBlocks, WriteBlocks, decoder,
                                  encoder)
-from connectors.staging import gather_blocks, scatter_blocks
+from tandem.connectors.staging import gather_blocks, scatter_blocks
 
 logger = logging.getLogger(__name__)
 

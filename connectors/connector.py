@@ -16,12 +16,12 @@ import uuid
 
 import torch
 
-from connectors.agent import KVAgent, TransferError
-from connectors.protocol import DecodeBlocks, FreeBlocks, KVLayout, TransferDone, WriteBlocks
-from connectors.staging import scatter_blocks
-from connectors.transport import make_transport
-from engine.config import KVTransferConfig
-from engine.request import Request, RequestStatus
+from tandem.connectors.agent import KVAgent, TransferError
+from tandem.connectors.protocol import DecodeBlocks, FreeBlocks, KVLayout, TransferDone, WriteBlocks
+from tandem.connectors.staging import scatter_blocks
+from tandem.connectors.transport import make_transport
+from tandem.engine.config import KVTransferConfig
+from tandem.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

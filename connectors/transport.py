@@ -9,8 +9,8 @@ The cache is [2, layers, blocks, block_size, kv_heads, head_dim]; blocks are dim
 """
 import torch
 
-from connectors.protocol import WriteBlocks
-from connectors.staging import gather_blocks
+from tandem.connectors.protocol import WriteBlocks
+from tandem.connectors.staging import gather_blocks
 
 
 class TcpTransport:
@@ -48,9 +48,9 @@ def make_transport(name: str, kv_cache: torch.Tensor, agent):
     if name == "tcp":
         return TcpTransport(kv_cache, agent)
     if name == "ipc":
-        from connectors.ipc import IpcTransport
+        from tandem.connectors.ipc import IpcTransport
         return IpcTransport(kv_cache)
     if name == "mori":
-        from connectors.mori import MoriTransport
+        from tandem.connectors.mori import MoriTransport
         return MoriTransport(kv_cache, agent)
     raise ValueError(f"unknown KV transport {name!r}; expected tcp, ipc or mori")

@@ -7,7 +7,7 @@ request with the same prefix finds them in the free list (LRU eviction).
 """
 from collections import OrderedDict
 
-from engine.request import Request
+from tandem.engine.request import Request
 
 
 def _cdiv(a: int, b: int) -> int:

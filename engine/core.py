@@ -8,14 +8,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.loader import eos_token_ids, load_hf_config
-from engine.model_runner import ModelRunner, PendingStep
-from engine.protocol import EngineRequest, RequestOutput, SchedulerStats
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.worker import (Workers, broadcast_step, data_parallel_device, init_data_parallel, init_distributed,
+from tandem.engine.block_manager import BlockManager
+from tandem.engine.config import EngineConfig
+from tandem.engine.loader import eos_token_ids, load_hf_config
+from tandem.engine.model_runner import ModelRunner, PendingStep
+from tandem.engine.protocol import EngineRequest, RequestOutput, SchedulerStats
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.worker import (Workers, broadcast_step, data_parallel_device, init_data_parallel, init_distributed,
                            leave_distributed, local_device)
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class EngineCore:
         self.connector = None
         self._inflight: PendingStep | None = None  # --async-scheduling: the step on the GPU now
         if config.kv_transfer.enabled:
-            from connectors import build_connector
+            from tandem.connectors import build_connector
             self.set_connector(build_connector(config.kv_transfer, self.runner))
         logger.info("engine ready: %s, max_model_len=%d, %d KV blocks, async scheduling %s",
                     type(self.runner.model).__name__, self.max_model_len, self.blocks.num_blocks,

@@ -17,8 +17,8 @@ from multiprocessing.connection import Connection
 import msgspec
 import zmq
 
-from engine.config import EngineConfig
-from engine.protocol import EngineRequest, RequestOutput
+from tandem.engine.config import EngineConfig
+from tandem.engine.protocol import EngineRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rea
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the API process leads the stop
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        from engine.core import EngineCore
+        from tandem.engine.core import EngineCore
 
         core = EngineCore(config, dp_rank)
     except BaseException:

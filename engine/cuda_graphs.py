@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from engine.forward_context import ForwardContext
+from tandem.engine.forward_context import ForwardContext
 
 logger = logging.getLogger(__name__)
 

@@ -3,10 +3,10 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from engine.config import DEFAULT_MODEL_DIR, EngineConfig
-from engine.core import EngineCore
-from engine.protocol import EngineRequest, TokenLogprobs
-from engine.sampling_params import SamplingParams
+from tandem.engine.config import DEFAULT_MODEL_DIR, EngineConfig
+from tandem.engine.core import EngineCore
+from tandem.engine.protocol import EngineRequest, TokenLogprobs
+from tandem.engine.sampling_params import SamplingParams
 
 
 @dataclass

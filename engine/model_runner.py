@@ -13,16 +13,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs
-from engine.forward_context import ForwardContext
-from engine.loader import init_dummy_weights, load_weights
-from engine.models import model_class
-from engine.parallel import expert_parallel, tp_size
-from engine.protocol import TokenLogprobs
-from engine.sampler import SamplingBatch, sample, token_logprobs
-from engine.scheduler import SampledToken, SchedulerOutput
-from kernels.backend import triton_available
+from tandem.engine.config import EngineConfig
+from tandem.engine.cuda_graphs import DecodeGraphs
+from tandem.engine.forward_context import ForwardContext
+from tandem.engine.loader import init_dummy_weights, load_weights
+from tandem.engine.models import model_class
+from tandem.engine.parallel import expert_parallel, tp_size
+from tandem.engine.protocol import TokenLogprobs
+from tandem.engine.sampler import SamplingBatch, sample, token_logprobs
+from tandem.engine.scheduler import SampledToken, SchedulerOutput
+from tandem.kernels.backend import triton_available
 
 logger = logging.getLogger(__name__)
 

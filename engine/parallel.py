@@ -70,7 +70,7 @@ class ExpertParallel:
     def dispatcher(self, num_experts: int, hidden_size: int, dtype: torch.dtype):
         """One dispatcher per expert count and shape, shared by every MoE layer (its buffers are
         reused layer after layer). Every rank creates them in the same order (it may be collective)."""
-        from kernels.ep import make_dispatcher
+        from tandem.kernels.ep import make_dispatcher
 
         key = (num_experts, hidden_size, dtype)
         if key not in self._dispatchers:

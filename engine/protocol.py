@@ -5,7 +5,7 @@ compact msgpack frames over ZMQ.
 """
 import msgspec
 
-from engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams
 
 
 class EngineRequest(msgspec.Struct, omit_defaults=True):

@@ -4,8 +4,8 @@ import time
 
 import torch
 
-from engine.protocol import TokenLogprobs
-from engine.sampling_params import SamplingParams
+from tandem.engine.protocol import TokenLogprobs
+from tandem.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.protocol import TokenLogprobs
-from engine.request import Request
-from kernels.sampling import argmax
+from tandem.engine.protocol import TokenLogprobs
+from tandem.engine.request import Request
+from tandem.kernels.sampling import argmax
 
 
 @dataclass

@@ -13,10 +13,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.protocol import RequestOutput, SchedulerStats, TokenLogprobs
-from engine.request import Request, RequestStatus
+from tandem.engine.block_manager import BlockManager
+from tandem.engine.config import SchedulerConfig
+from tandem.engine.protocol import RequestOutput, SchedulerStats, TokenLogprobs
+from tandem.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
-from engine.parallel import ExpertParallel, init_expert_parallel, init_tensor_parallel
+from tandem.engine.config import EngineConfig
+from tandem.engine.parallel import ExpertParallel, init_expert_parallel, init_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def init_data_parallel(config: EngineConfig, dp_rank: int) -> dist.ProcessGroup:
     group = _join_world(config, data_parallel_device(config, dp_rank), p.data_parallel_size, dp_rank)
     backend = p.all2all_backend
     if backend == "none":
-        from kernels.ep.mori import mori_available
+        from tandem.kernels.ep.mori import mori_available
         backend = "mori" if mori_available() else "naive"
     logger.info("expert parallel over %d DP ranks: all2all backend %s, placement %s", p.data_parallel_size,
                 backend, p.expert_placement_strategy)
@@ -130,8 +130,8 @@ def _die_with_parent() -> None:
 
 def _worker_main(config: EngineConfig, rank: int, max_model_len: int, stopped) -> None:
     _die_with_parent()
-    from engine.loader import load_hf_config
-    from engine.model_runner import ModelRunner
+    from tandem.engine.loader import load_hf_config
+    from tandem.engine.model_runner import ModelRunner
 
     hf_config = load_hf_config(config.model.model)
     group = init_distributed(config, rank)
@@ -183,8 +183,8 @@ class Workers:
 
 def run_node_workers(config: EngineConfig) -> None:
     """On nodes other than 0 (--node-rank > 0): run this node's ranks until rank 0 stops them."""
-    from engine.core import resolve_max_model_len
-    from engine.loader import load_hf_config
+    from tandem.engine.core import resolve_max_model_len
+    from tandem.engine.loader import load_hf_config
 
     workers = Workers(config, resolve_max_model_len(config, load_hf_config(config.model.model)), include_rank0=True)
     for proc in workers.procs:

@@ -5,10 +5,10 @@ Each public function picks an implementation by device: Triton on CUDA/ROCm
 the dispatchers and are what the tests compare the fast paths against.
 This package imports nothing else of Tandem's.
 """
-from kernels.activation import silu_and_mul
-from kernels.attention import paged_attention, store_kvcache
-from kernels.norm import fused_add_rms_norm, rms_norm
-from kernels.rotary import apply_rotary, build_cos_sin_cache, rotary_store_kvcache
+from tandem.kernels.activation import silu_and_mul
+from tandem.kernels.attention import paged_attention, store_kvcache
+from tandem.kernels.norm import fused_add_rms_norm, rms_norm
+from tandem.kernels.rotary import apply_rotary, build_cos_sin_cache, rotary_store_kvcache
 
 __all__ = [
     "apply_rotary",

@@ -1,7 +1,7 @@
 """SiLU(gate) * up, the gated MLP activation."""
 import torch
 
-from kernels.backend import use_triton
+from tandem.kernels.backend import use_triton
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -12,6 +12,6 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if use_triton(x):
-        from kernels.triton.activation import silu_and_mul_triton
+        from tandem.kernels.triton.activation import silu_and_mul_triton
         return silu_and_mul_triton(x)
     return silu_and_mul_ref(x)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.backend import use_triton
+from tandem.kernels.backend import use_triton
 
 # a decode batch's rotary embedding, q/k norm and KV store done by the attention launch (GPU)
 # instead of a launch of its own; benchmarks/ab_decode.py switch `rope`
@@ -79,7 +79,7 @@ def store_kvcache(
     slot_mapping: torch.Tensor,
 ) -> None:
     if use_triton(key):
-        from kernels.triton.attention import store_kvcache_triton
+        from tandem.kernels.triton.attention import store_kvcache_triton
         return store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping)
     return store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
 
@@ -97,12 +97,12 @@ def paged_attention(
     rope: q is raw and the new tokens still to normalize, rotate and store; on the GPU a decode
     batch (max_query_len 1) has that done by the attention launch, else it runs first."""
     if rope is not None and not (FUSED_ROPE and use_triton(q) and max_query_len == 1 and dense_kv is None):
-        from kernels.rotary import rotary_store_kvcache  # (it imports this module)
+        from tandem.kernels.rotary import rotary_store_kvcache  # (it imports this module)
         q = rotary_store_kvcache(rope.positions, q, rope.k, rope.v, rope.cos_sin_cache, k_cache, v_cache,
                                  rope.slot_mapping, rope.qk_norm)
         rope = None
     if use_triton(q):
-        from kernels.triton.attention import paged_attention_triton
+        from tandem.kernels.triton.attention import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens,
                                       query_start_loc, scale, max_query_len, max_seq_len, dense_kv, rope)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import use_triton
-from kernels.norm import rms_norm
+from tandem.kernels.backend import use_triton
+from tandem.kernels.norm import rms_norm
 
 _skinny = True
 # the RMSNorms of a decoder layer carried by the GEMM ahead and the GEMM after (linear_add_norm,
@@ -28,7 +28,7 @@ def _decode_rows(x: torch.Tensor) -> int:
     """x's row count where the Triton GEMM takes x as its input (a GPU, <= 16 rows of bf16/fp16), else 0."""
     if not (_skinny and use_triton(x) and x.dtype in (torch.bfloat16, torch.float16)):
         return 0
-    from kernels.triton.linear import MAX_ROWS
+    from tandem.kernels.triton.linear import MAX_ROWS
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return rows if rows <= MAX_ROWS else 0
 
@@ -42,7 +42,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x: [..., K]; weight: [N, K]; bias: [N] or None -> [..., N]."""
     rows = _skinny_rows(x, weight)
     if rows:
-        from kernels.triton.linear import skinny_linear_triton
+        from tandem.kernels.triton.linear import skinny_linear_triton
         y = skinny_linear_triton(x.reshape(rows, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
@@ -72,7 +72,7 @@ def linear_add_norm(
     norm. x: [T, K]; weight: [N, K]; residual: [T, N]; norm_weight: [N]."""
     if not (can_pend(x) and weight.dtype == norm_weight.dtype == residual.dtype == x.dtype):
         return None
-    from kernels.triton.linear import skinny_linear_add_norm_triton
+    from tandem.kernels.triton.linear import skinny_linear_add_norm_triton
     s, sg, ss = skinny_linear_add_norm_triton(x, weight, residual, norm_weight)
     return PendingNorm(s, sg, ss, norm_weight, eps)
 
@@ -82,7 +82,7 @@ def linear_normed(p: PendingNorm, weight: torch.Tensor, bias: torch.Tensor | Non
     its epilogue (no norm launch)."""
     if not _skinny_rows(p.sg, weight):
         return linear(p.normed(), weight, bias)
-    from kernels.triton.linear import skinny_linear_normed_triton
+    from tandem.kernels.triton.linear import skinny_linear_normed_triton
     y = skinny_linear_normed_triton(p.sg, weight, p.ss, p.eps)
     return y if bias is None else y + bias
 

@@ -6,8 +6,8 @@ Expert weights (one tensor per projection, experts stacked):
 """
 import torch
 
-from kernels.activation import silu_and_mul_ref
-from kernels.backend import use_triton
+from tandem.kernels.activation import silu_and_mul_ref
+from tandem.kernels.backend import use_triton
 
 
 def topk_routing_ref(
@@ -30,7 +30,7 @@ def topk_routing(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(router_logits):
-        from kernels.triton.routing import topk_routing_triton
+        from tandem.kernels.triton.routing import topk_routing_triton
         return topk_routing_triton(router_logits, top_k, renormalize, scoring)
     return topk_routing_ref(router_logits, top_k, renormalize, scoring)
 
@@ -55,7 +55,7 @@ def fused_experts(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     if use_triton(x):
-        from kernels.triton.moe import fused_experts_triton
+        from tandem.kernels.triton.moe import fused_experts_triton
         return fused_experts_triton(x, w13, w2, topk_weights, topk_ids)
     return fused_experts_ref(x, w13, w2, topk_weights, topk_ids)
 
@@ -70,7 +70,7 @@ def routed_experts(
     eps), x is a pending norm's s * weight; norm_out = (residual, norm weight), returns (s, sg,
     ss) of the next norm left pending (kernels.linear.PendingNorm)."""
     if use_triton(x):
-        from kernels.triton.moe import routed_experts_triton
+        from tandem.kernels.triton.moe import routed_experts_triton
         return routed_experts_triton(x, router_logits, w13, w2, top_k, renormalize, scoring, norm_in, norm_out)
     if norm_in is not None or norm_out is not None:
         raise ValueError("routed_experts: a pending norm needs the Triton experts")

@@ -6,7 +6,7 @@ project's CI or device pool. Imported lazily; asking for it without ROCm + aiter
 """
 import torch
 
-from kernels.backend import require_rocm_package, rocm_package_available
+from tandem.kernels.backend import require_rocm_package, rocm_package_available
 
 
 def aiter_available() -> bool:

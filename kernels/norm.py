@@ -1,7 +1,7 @@
 """RMSNorm, alone and fused with the residual add."""
 import torch
 
-from kernels.backend import use_triton
+from tandem.kernels.backend import use_triton
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -21,7 +21,7 @@ def fused_add_rms_norm_ref(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_triton(x):
-        from kernels.triton.norm import rms_norm_triton
+        from tandem.kernels.triton.norm import rms_norm_triton
         return rms_norm_triton(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
@@ -30,6 +30,6 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x):
-        from kernels.triton.norm import fused_add_rms_norm_triton
+        from tandem.kernels.triton.norm import fused_add_rms_norm_triton
         return fused_add_rms_norm_triton(x, residual, weight, eps)
     return fused_add_rms_norm_ref(x, residual, weight, eps)

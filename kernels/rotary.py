@@ -1,9 +1,9 @@
 """Rotary position embedding, GPT-NeoX style (rotate halves), as in HF Llama/Qwen."""
 import torch
 
-from kernels.attention import store_kvcache_ref
-from kernels.backend import use_triton
-from kernels.norm import rms_norm_ref
+from tandem.kernels.attention import store_kvcache_ref
+from tandem.kernels.backend import use_triton
+from tandem.kernels.norm import rms_norm_ref
 
 
 def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0) -> torch.Tensor:
@@ -38,7 +38,7 @@ def apply_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as apply_rotary_ref; the Triton path may rotate q and k in place."""
     if use_triton(q):
-        from kernels.triton.rotary import apply_rotary_triton
+        from tandem.kernels.triton.rotary import apply_rotary_triton
         return apply_rotary_triton(positions, q, k, cos_sin_cache)
     return apply_rotary_ref(positions, q, k, cos_sin_cache)
 
@@ -75,7 +75,7 @@ def rotary_store_kvcache(
 ) -> torch.Tensor:
     """Same contract as rotary_store_kvcache_ref; the Triton path rotates q in place, in one launch."""
     if use_triton(q):
-        from kernels.triton.rotary import rotary_store_kvcache_triton
+        from tandem.kernels.triton.rotary import rotary_store_kvcache_triton
         return rotary_store_kvcache_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
                                            qk_norm, rotate_k)
     return rotary_store_kvcache_ref(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, qk_norm,

@@ -13,13 +13,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.config import RouterConfig
-from router.errors import RouterError, UpstreamHTTPError, error_response
-from router.metrics import RouterMetrics
-from router.orchestrator import PDOrchestrator
-from router.protocol import ROLES
-from router.registry import InstanceRegistry
-from router.upstream import Upstream, make_http_client
+from tandem.router.config import RouterConfig
+from tandem.router.errors import RouterError, UpstreamHTTPError, error_response
+from tandem.router.metrics import RouterMetrics
+from tandem.router.orchestrator import PDOrchestrator
+from tandem.router.protocol import ROLES
+from tandem.router.registry import InstanceRegistry
+from tandem.router.upstream import Upstream, make_http_client
 
 logger = logging.getLogger(__name__)
 

@@ -35,14 +35,14 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
-from router.config import RouterConfig
-from router.errors import RouterError
-from router.metrics import RouterMetrics
-from router.policy import make_policy
-from router.registry import Instance, InstanceRegistry
-from router.relay import OnClose, RelayResponse, relay
-from router.upstream import Upstream, UpstreamStream
-from server.disconnect import ClientDisconnected, cancel_on_disconnect
+from tandem.router.config import RouterConfig
+from tandem.router.errors import RouterError
+from tandem.router.metrics import RouterMetrics
+from tandem.router.policy import make_policy
+from tandem.router.registry import Instance, InstanceRegistry
+from tandem.router.relay import OnClose, RelayResponse, relay
+from tandem.router.upstream import Upstream, UpstreamStream
+from tandem.server.disconnect import ClientDisconnected, cancel_on_disconnect
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 import itertools
 from typing import Protocol, Sequence
 
-from router.config import RoutingPolicyName
-from router.registry import Instance
+from tandem.router.config import RoutingPolicyName
+from tandem.router.registry import Instance
 
 
 class RoutingPolicy(Protocol):

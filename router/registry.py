@@ -17,9 +17,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from router.config import RouterConfig
-from router.metrics import RouterMetrics
-from router.protocol import ROLES, LoadReport, RegisterMessage, UnregisterMessage, decode_message
+from tandem.router.config import RouterConfig
+from tandem.router.metrics import RouterMetrics
+from tandem.router.protocol import ROLES, LoadReport, RegisterMessage, UnregisterMessage, decode_message
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import anyio
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from router.errors import RouterError, error_body
-from router.upstream import UpstreamStream
+from tandem.router.errors import RouterError, error_body
+from tandem.router.upstream import UpstreamStream
 
 logger = logging.getLogger(__name__)
 

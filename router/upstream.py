@@ -10,9 +10,9 @@ from typing import AsyncIterator, Callable
 import anyio
 import httpx
 
-from router.errors import RouterError, UpstreamHTTPError
-from router.metrics import RouterMetrics
-from router.registry import Instance, InstanceRegistry
+from tandem.router.errors import RouterError, UpstreamHTTPError
+from tandem.router.metrics import RouterMetrics
+from tandem.router.registry import Instance, InstanceRegistry
 
 
 def make_http_client(connect_timeout_s: float, request_timeout_s: float) -> httpx.AsyncClient:

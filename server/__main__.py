@@ -1,4 +1,4 @@
-"""`server` / `python -m server`: start one part of a deployment by role.
+"""`server` / `python -m tandem.server`: start one part of a deployment by role.
 
 collocated (default): API process + engine core process serving the OpenAI API.
 prefill / decode: a collocated server with a KV-transfer role, registered with a router.
@@ -9,7 +9,7 @@ import logging
 import signal
 import sys
 
-logger = logging.getLogger("server")
+logger = logging.getLogger("tandem.server")
 
 ROLES = ("collocated", "prefill", "decode", "router", "disagg")
 
@@ -19,7 +19,7 @@ class _StopRequested(BaseException):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.config import add_engine_args
+    from tandem.engine.config import add_engine_args
 
     parser = argparse.ArgumentParser(prog="server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1 routes")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"))
     add_engine_args(parser)
-    from server.roles import add_pd_args
+    from tandem.server.roles import add_pd_args
     add_pd_args(parser)
     return parser
 
@@ -42,15 +42,15 @@ def run_api_server(args: argparse.Namespace) -> int:
     """API process + engine core process; returns the exit code (1 if the engine core died)."""
     import uvicorn
 
-    from engine.config import config_from_args
-    from server.api import build_app
-    from server.engine_client import EngineClient, EngineStartupError
-    from server.tokenizer import Tokenizer
+    from tandem.engine.config import config_from_args
+    from tandem.server.api import build_app
+    from tandem.server.engine_client import EngineClient, EngineStartupError
+    from tandem.server.tokenizer import Tokenizer
 
     config = config_from_args(args)
     registration = None
     if args.role in ("prefill", "decode"):
-        from server.roles import pd_config
+        from tandem.server.roles import pd_config
         config = pd_config(args, config)
     client = EngineClient(config, args.log_level)
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -70,7 +70,7 @@ def run_api_server(args: argparse.Namespace) -> int:
         client.on_dead = lambda: setattr(server, "should_exit", True)
         logger.info("serving %s on http://%s:%d", config.model.model, args.host, args.port)
         if args.role in ("prefill", "decode"):
-            from server.roles import start_registration
+            from tandem.server.roles import start_registration
             registration = start_registration(args, config, client)  # the router health-checks before routing
         server.run()
     except EngineStartupError as exc:
@@ -93,7 +93,7 @@ def run_api_server(args: argparse.Namespace) -> int:
 def _router_module():
     """router/ when it provides the CLI hooks (add_router_args, RouterConfig, run_router), else None."""
     try:
-        import router
+        from tandem import router
         return router if all(hasattr(router, n) for n in ("add_router_args", "RouterConfig", "run_router")) else None
     except ImportError:
         return None
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("%s received; router stopped", exc)
         return 0
     if args.role == "disagg":
-        from server.roles import run_disagg
+        from tandem.server.roles import run_disagg
         return run_disagg(args)
     return run_api_server(args)
 

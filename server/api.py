@@ -7,17 +7,17 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.config import EngineConfig
-from server import __version__
-from server.chat import create_chat_completion
-from server.completions import create_completion
-from server.disconnect import ClientDisconnected, cancel_on_disconnect
-from server.engine_client import EngineClient
-from server.errors import EngineDeadError, error_body, error_response, install_error_handlers
-from server.generation import ServingContext
-from server.metrics import CONTENT_TYPE, ServerMetrics
-from server.protocol import ChatCompletionRequest, CompletionRequest, now
-from server.tokenizer import Tokenizer
+from tandem.engine.config import EngineConfig
+from tandem.server import __version__
+from tandem.server.chat import create_chat_completion
+from tandem.server.completions import create_completion
+from tandem.server.disconnect import ClientDisconnected, cancel_on_disconnect
+from tandem.server.engine_client import EngineClient
+from tandem.server.errors import EngineDeadError, error_body, error_response, install_error_handlers
+from tandem.server.generation import ServingContext
+from tandem.server.metrics import CONTENT_TYPE, ServerMetrics
+from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, now
+from tandem.server.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -2,10 +2,10 @@
 n, stop strings, streaming (role delta first)."""
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from server.errors import APIError, stream_error
-from server.generation import (ServingContext, build_requests, check_logprobs, choices_usage, kv_transfer_params_of,
+from tandem.server.errors import APIError, stream_error
+from tandem.server.generation import (ServingContext, build_requests, check_logprobs, choices_usage, kv_transfer_params_of,
                                make_request_id, run_choices)
-from server.protocol import SSE_DONE, ChatCompletionRequest, ChatMessage, chat_logprobs, now, sse
+from tandem.server.protocol import SSE_DONE, ChatCompletionRequest, ChatMessage, chat_logprobs, now, sse
 
 
 def _message_dict(message: ChatMessage) -> dict:

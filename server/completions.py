@@ -2,10 +2,10 @@
 loglikelihood), legacy logprobs, n, stop strings, streaming."""
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from server.errors import APIError, stream_error
-from server.generation import (Choice, ServingContext, build_requests, check_logprobs, choices_usage,
+from tandem.server.errors import APIError, stream_error
+from tandem.server.generation import (Choice, ServingContext, build_requests, check_logprobs, choices_usage,
                                kv_transfer_params_of, make_request_id, run_choices)
-from server.protocol import SSE_DONE, CompletionRequest, completion_logprobs, now, sse
+from tandem.server.protocol import SSE_DONE, CompletionRequest, completion_logprobs, now, sse
 
 
 def _prompts(ctx: ServingContext, prompt) -> tuple[list[list[int]], list[str | None]]:

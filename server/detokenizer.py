@@ -1,5 +1,5 @@
 """Incremental detokenization with stop strings, one instance per engine request."""
-from server.tokenizer import Tokenizer
+from tandem.server.tokenizer import Tokenizer
 
 # Prompt tokens kept as left context so the first output token decodes with the right spacing.
 _PROMPT_CONTEXT = 5

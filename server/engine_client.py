@@ -20,9 +20,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine.config import EngineConfig
-from engine.protocol import EngineRequest, RequestOutput, SchedulerStats
-from server.errors import APIError, EngineDeadError
+from tandem.engine.config import EngineConfig
+from tandem.engine.protocol import EngineRequest, RequestOutput, SchedulerStats
+from tandem.server.errors import APIError, EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class EngineClient:
     # -- process lifetime (synchronous, main thread) ------------------------------------------
     def start(self) -> None:
         """Spawn the engine core process(es) (returns at once; `wait_ready` blocks until loaded)."""
-        from engine.core_proc import run_engine_core
+        from tandem.engine.core_proc import run_engine_core
 
         ctx = multiprocessing.get_context("spawn")
         for rank in range(self.num_ranks):

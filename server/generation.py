@@ -5,14 +5,14 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.protocol import EngineRequest, RequestOutput, TokenLogprobs
-from engine.sampling_params import SamplingParams
-from server.detokenizer import IncrementalDetokenizer
-from server.engine_client import EngineClient
-from server.errors import APIError
-from server.metrics import ServerMetrics
-from server.protocol import MAX_LOGPROBS, GenerationFields, usage
-from server.tokenizer import Tokenizer
+from tandem.engine.protocol import EngineRequest, RequestOutput, TokenLogprobs
+from tandem.engine.sampling_params import SamplingParams
+from tandem.server.detokenizer import IncrementalDetokenizer
+from tandem.server.engine_client import EngineClient
+from tandem.server.errors import APIError
+from tandem.server.metrics import ServerMetrics
+from tandem.server.protocol import MAX_LOGPROBS, GenerationFields, usage
+from tandem.server.tokenizer import Tokenizer
 
 MAX_N = 128
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # choice j > 0 of a seeded request gets a well-spread seed

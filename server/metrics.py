@@ -1,7 +1,7 @@
 """Prometheus metrics of the API process (latencies per request, engine gauges from SchedulerStats)."""
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engine.protocol import SchedulerStats
+from tandem.engine.protocol import SchedulerStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

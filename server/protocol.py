@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.protocol import TokenLogprobs
+from tandem.engine.protocol import TokenLogprobs
 
 MAX_LOGPROBS = 20
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp the same way

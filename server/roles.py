@@ -12,9 +12,9 @@ import sys
 import time
 import uuid
 
-from engine.config import EngineConfig, KVTransferConfig, add_engine_args
+from tandem.engine.config import EngineConfig, KVTransferConfig, add_engine_args
 
-logger = logging.getLogger("server.roles")
+logger = logging.getLogger("tandem.server.roles")
 
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
@@ -56,8 +56,8 @@ def pd_config(args: argparse.Namespace, config: EngineConfig) -> EngineConfig:
 
 def start_registration(args: argparse.Namespace, config: EngineConfig, client):
     """Register with the router (and keep pinging with the engine's load)."""
-    from router.protocol import InstanceInfo
-    from router.registration import RegistrationClient
+    from tandem.router.protocol import InstanceInfo
+    from tandem.router.registration import RegistrationClient
 
     extra = config.kv_transfer.kv_connector_extra_config
     info = InstanceInfo(instance_id=extra["engine_id"], role=args.role,
@@ -113,7 +113,7 @@ def run_disagg(args: argparse.Namespace) -> int:
     children: list[tuple[str, subprocess.Popen]] = []
 
     def spawn(name: str, argv: list[str]) -> None:
-        cmd = [sys.executable, "-m", "server", *argv, *common]
+        cmd = [sys.executable, "-m", "tandem.server", *argv, *common]
         children.append((name, subprocess.Popen(cmd, preexec_fn=_die_with_parent)))
         logger.info("started %s: %s", name, " ".join(cmd))
 

@@ -2,7 +2,7 @@
 import logging
 from functools import lru_cache
 
-from server.errors import APIError
+from tandem.server.errors import APIError
 
 logger = logging.getLogger(__name__)
 

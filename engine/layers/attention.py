@@ -2,9 +2,9 @@
 import torch
 from torch import nn
 
-from engine.forward_context import ForwardContext
-from kernels import paged_attention, rotary_store_kvcache, store_kvcache
-from kernels.attention import NewTokens
+from tandem.engine.forward_context import ForwardContext
+from tandem.kernels import paged_attention, rotary_store_kvcache, store_kvcache
+from tandem.kernels.attention import NewTokens
 
 
 class Attention(nn.Module):

@@ -3,8 +3,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.parallel import tp_all_gather, tp_all_reduce, tp_rank, tp_size
-from kernels.linear import linear
+from tandem.engine.parallel import tp_all_gather, tp_all_reduce, tp_rank, tp_size
+from tandem.kernels.linear import linear
 
 # Decode-sized batches' logits on the Triton GEMM like the other linear layers (kernels/linear.py),
 # else torch's; benchmarks/ab_decode.py switches it

@@ -7,8 +7,8 @@ gate_up) load from the separate tensors a Hugging Face checkpoint stores.
 import torch
 from torch import nn
 
-from engine.parallel import tp_all_reduce, tp_rank, tp_size
-from kernels.linear import PendingNorm, linear, linear_add_norm
+from tandem.engine.parallel import tp_all_reduce, tp_rank, tp_size
+from tandem.kernels.linear import PendingNorm, linear, linear_add_norm
 
 
 def _divide(a: int, b: int) -> int:

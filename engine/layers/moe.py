@@ -7,13 +7,13 @@ from the ParallelConfig, so models never name them.
 import torch
 from torch import nn
 
-from engine.config import ParallelConfig
-from engine.layers.linear import ReplicatedLinear
-from engine.parallel import expert_parallel, tp_all_reduce, tp_rank, tp_size
-from kernels.ep import NoDispatch, make_dispatcher
-from kernels.ep.placement import local_experts
-from kernels.linear import PendingNorm, can_pend, linear_normed
-from kernels.moe import fused_experts, fused_experts_ref, routed_experts, topk_routing
+from tandem.engine.config import ParallelConfig
+from tandem.engine.layers.linear import ReplicatedLinear
+from tandem.engine.parallel import expert_parallel, tp_all_reduce, tp_rank, tp_size
+from tandem.kernels.ep import NoDispatch, make_dispatcher
+from tandem.kernels.ep.placement import local_experts
+from tandem.kernels.linear import PendingNorm, can_pend, linear_normed
+from tandem.kernels.moe import fused_experts, fused_experts_ref, routed_experts, topk_routing
 
 _EXPERTS_IMPLS = {"triton": fused_experts, "torch": fused_experts_ref}
 
@@ -21,7 +21,7 @@ _EXPERTS_IMPLS = {"triton": fused_experts, "torch": fused_experts_ref}
 def experts_impl(name: str):
     """The experts kernel for --moe-experts; auto = aiter on ROCm when it imports, else triton
     (which falls back to the torch reference on CPU)."""
-    from kernels.moe_aiter import aiter_available, fused_experts_aiter, require_aiter
+    from tandem.kernels.moe_aiter import aiter_available, fused_experts_aiter, require_aiter
 
     if name == "auto":
         name = "aiter" if aiter_available() else "triton"
@@ -64,7 +64,7 @@ class FusedMoE(nn.Module):
         self.experts = experts_impl(parallel.moe_experts)
 
     def process_weights_after_loading(self) -> None:
-        from kernels.moe_aiter import fused_experts_aiter, shuffle_expert_weights
+        from tandem.kernels.moe_aiter import fused_experts_aiter, shuffle_expert_weights
 
         if self.experts is fused_experts_aiter:
             w13, w2 = shuffle_expert_weights(self.w13.data, self.w2.data)

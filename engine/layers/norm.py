@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from kernels import fused_add_rms_norm, rms_norm
+from tandem.kernels import fused_add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):

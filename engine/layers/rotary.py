@@ -3,7 +3,7 @@ transformers defines statically), cos/sin cached per position."""
 import torch
 from torch import nn
 
-from kernels import apply_rotary, build_cos_sin_cache
+from tandem.kernels import apply_rotary, build_cos_sin_cache
 
 
 def rope_parameters(hf_config) -> dict:

@@ -1,6 +1,6 @@
 """Model registry: Hugging Face `architectures` name -> our implementation."""
-from engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-from engine.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from tandem.engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from tandem.engine.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -9,16 +9,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-from engine.config import ParallelConfig
-from engine.forward_context import ForwardContext
-from engine.layers.attention import Attention
-from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
-import kernels.linear
-from kernels import silu_and_mul
-from kernels.linear import PendingNorm, linear_normed
+from tandem.engine.config import ParallelConfig
+from tandem.engine.forward_context import ForwardContext
+from tandem.engine.layers.attention import Attention
+from tandem.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tandem.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tandem.engine.layers.norm import RMSNorm
+from tandem.engine.layers.rotary import RotaryEmbedding
+from tandem.kernels import linear as kernels_linear
+from tandem.kernels import silu_and_mul
+from tandem.kernels.linear import PendingNorm, linear_normed
 
 
 def head_dim_of(cfg) -> int:
@@ -117,7 +117,7 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids, positions, ctx):
         hidden, residual = self.embed_tokens(input_ids), None
-        pend_input = kernels.linear.FOLD_INPUT_NORM
+        pend_input = kernels_linear.FOLD_INPUT_NORM
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_layernorm if pend_input and i + 1 < len(self.layers) else None
             hidden, residual = layer(positions, hidden, residual, ctx, next_norm)

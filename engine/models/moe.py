@@ -1,8 +1,8 @@
 """Mixture-of-experts decoders (Qwen3-MoE, Mixtral): the Llama skeleton with FusedMoE MLPs."""
 import re
 
-from engine.layers.moe import FusedMoE
-from engine.models.llama import CausalLM, DecoderLayer, LlamaAttention, LlamaMLP
+from tandem.engine.layers.moe import FusedMoE
+from tandem.engine.models.llama import CausalLM, DecoderLayer, LlamaAttention, LlamaMLP
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
 # Per-expert checkpoint projection -> (our stacked parameter, part of w13: 0 gate, 1 up; None for w2)

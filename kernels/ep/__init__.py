@@ -58,7 +58,7 @@ def make_dispatcher(backend: str, group=None, num_experts: int = 0, placement: s
     if backend not in BACKENDS:
         raise ValueError(f"unknown all2all backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     if backend == "mori":
-        from kernels.ep.mori import require_mori
+        from tandem.kernels.ep.mori import require_mori
         require_mori()
     if fp8 and backend != "a2a":
         raise ValueError(f"fp8 dispatch is implemented for the a2a backend only, not {backend!r}")
@@ -70,20 +70,20 @@ def make_dispatcher(backend: str, group=None, num_experts: int = 0, placement: s
                          "use naive or a2a")
     import torch.distributed as dist
 
-    from kernels.ep.placement import ExpertMap
+    from tandem.kernels.ep.placement import ExpertMap
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     experts = ExpertMap(num_experts, size, rank, placement)
     if backend == "local":
-        from kernels.ep.local import LocalDispatch
+        from tandem.kernels.ep.local import LocalDispatch
         return LocalDispatch(experts)
     if backend == "naive":
-        from kernels.ep.naive import NaiveDispatch
+        from tandem.kernels.ep.naive import NaiveDispatch
         return NaiveDispatch(group, experts, uniform_tokens=uniform_tokens)
     if backend == "a2a":
-        from kernels.ep.a2a import AllToAllDispatch
+        from tandem.kernels.ep.a2a import AllToAllDispatch
         return AllToAllDispatch(group, experts, fp8=fp8)
     if backend == "mori":
-        from kernels.ep.mori import MoriDispatch
+        from tandem.kernels.ep.mori import MoriDispatch
         return MoriDispatch(group, experts, max_tokens_per_rank, hidden_size, dtype)
-    from kernels.ep.ipc import IpcDispatch
+    from tandem.kernels.ep.ipc import IpcDispatch
     return IpcDispatch(group, experts, max_tokens_per_rank, hidden_size, dtype, uniform_tokens=uniform_tokens)

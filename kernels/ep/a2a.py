@@ -10,8 +10,8 @@ the combine stay in x.dtype.
 import torch
 import torch.distributed as dist
 
-from kernels.ep.fp8 import dequantize_rows, quantize_rows
-from kernels.ep.placement import ExpertMap
+from tandem.kernels.ep.fp8 import dequantize_rows, quantize_rows
+from tandem.kernels.ep.placement import ExpertMap
 
 
 class AllToAllDispatch:

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from kernels.ep.placement import ExpertMap
+from tandem.kernels.ep.placement import ExpertMap
 
 _MAX_TOP_K = 32  # id/weight slots per token
 _ALIGN = 256

@@ -4,7 +4,7 @@ for experts held elsewhere) and combine returns this rank's partial sum; the cal
 over the group, as it does for any TP output."""
 import torch
 
-from kernels.ep.placement import ExpertMap
+from tandem.kernels.ep.placement import ExpertMap
 
 
 class LocalDispatch:

@@ -10,8 +10,8 @@ first dispatch (a collective: every rank dispatches in the same order).
 import torch
 import torch.distributed as dist
 
-from kernels.backend import require_rocm_package, rocm_package_available
-from kernels.ep.placement import ExpertMap
+from tandem.kernels.backend import require_rocm_package, rocm_package_available
+from tandem.kernels.ep.placement import ExpertMap
 
 _SHMEM_GROUP = "tandem_ep"
 

@@ -9,7 +9,7 @@ counts: no counts exchange, no host sync, and the whole path can be captured in 
 import torch
 import torch.distributed as dist
 
-from kernels.ep.placement import ExpertMap
+from tandem.kernels.ep.placement import ExpertMap
 
 
 class NaiveDispatch:

@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.device import MAX_TICKETS, tickets
-from kernels.triton.pdl import launch_args, wait_previous
+from tandem.kernels.triton.device import MAX_TICKETS, tickets
+from tandem.kernels.triton.pdl import launch_args, wait_previous
 
 _BLOCK = 4096
 

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.device import num_sms
-from kernels.triton.pdl import launch_args, wait_previous
+from tandem.kernels.triton.device import num_sms
+from tandem.kernels.triton.pdl import launch_args, wait_previous
 
 
 @triton.jit

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.device import MAX_TICKETS, num_sms, tickets
-from kernels.triton.pdl import launch_args, wait_previous
+from tandem.kernels.triton.device import MAX_TICKETS, num_sms, tickets
+from tandem.kernels.triton.pdl import launch_args, wait_previous
 
 MAX_ROWS = 16
 _PRELOAD = True  # the first weight tile before the wait (H100: -0.06 ms a Llama-8B b=1 step; RESULTS)

@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.device import MAX_TICKETS, tickets
-from kernels.triton.linear import MAX_ROWS, pend_norm, pending_rstd
-from kernels.triton.pdl import launch_args, wait_previous
-from kernels.triton.routing import check_routing, topk_of_rows, topk_routing_triton
+from tandem.kernels.triton.device import MAX_TICKETS, tickets
+from tandem.kernels.triton.linear import MAX_ROWS, pend_norm, pending_rstd
+from tandem.kernels.triton.pdl import launch_args, wait_previous
+from tandem.kernels.triton.routing import check_routing, topk_of_rows, topk_routing_triton
 
 _PAIR_BLOCKS = 16  # at most this many pairs: no grouping, a block per pair (decode)
 _SMALL_PAIRS = 1024  # at most this many pairs: one-program grouping kernel

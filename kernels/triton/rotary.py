@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.pdl import launch_args, wait_previous
+from tandem.kernels.triton.pdl import launch_args, wait_previous
 
 
 @triton.jit

@@ -7,8 +7,8 @@ import pytest
 import torch
 import transformers
 
-from engine import LLM, SamplingParams
-from engine.protocol import EngineRequest
+from tandem.engine import LLM, SamplingParams
+from tandem.engine.protocol import EngineRequest
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPTS = [list(range(10, 10 + n)) for n in (1, 5, 17, 33, 40)]

@@ -9,9 +9,9 @@ import uuid
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import DEFAULT_MODEL_DIR
-from engine.protocol import EngineRequest
+from tandem.engine import LLM, SamplingParams
+from tandem.engine.config import DEFAULT_MODEL_DIR
+from tandem.engine.protocol import EngineRequest
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [f"Question: Sam has {n} marbles and finds {2 * n + 1} more. How many does he have?\nAnswer:"

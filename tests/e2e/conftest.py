@@ -1,5 +1,5 @@
 """Multi-process PD deployments on CPU over the tcp transport: a router, prefill and decode
-instances as real `python -m server` processes on free loopback ports."""
+instances as real `python -m tandem.server` processes on free loopback ports."""
 import time
 from pathlib import Path
 
@@ -22,7 +22,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def Proc(name: str, args: list[str], log_dir: Path) -> ServerProcess:
-    """One part of a deployment (`python -m server --role ...`), logging to log_dir/name.log."""
+    """One part of a deployment (`python -m tandem.server --role ...`), logging to log_dir/name.log."""
     return ServerProcess(log_dir / f"{name}.log", args)
 
 

@@ -5,8 +5,8 @@ abort, preemption), and no KV block may leak."""
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.protocol import EngineRequest
+from tandem.engine import LLM, SamplingParams
+from tandem.engine.protocol import EngineRequest
 
 COMMON = dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=16, device="cpu")
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 19, 2, 11, 7)]

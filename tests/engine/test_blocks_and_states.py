@@ -3,10 +3,10 @@ preemption or a failed remote transfer; WAITING_FOR_REMOTE_KVS is skipped until 
 Reference for the remote-KV scenario: the same engine's collocated output."""
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.block_manager import BlockManager
-from engine.protocol import EngineRequest
-from engine.request import Request, RequestStatus
+from tandem.engine import LLM, SamplingParams
+from tandem.engine.block_manager import BlockManager
+from tandem.engine.protocol import EngineRequest
+from tandem.engine.request import Request, RequestStatus
 
 
 def test_prefix_cache_shares_and_evicts():
@@ -173,7 +173,7 @@ def test_too_small_kv_cache_is_a_clear_error(tiny_models, nbytes, message):
 def test_block_row_follows_block_ids():
     """The runner's int32 copy of a request's block ids: grown as blocks are appended, rebuilt
     when the request gets a new list (freed or preempted, then allocated again)."""
-    from engine.model_runner import _block_row
+    from tandem.engine.model_runner import _block_row
     req = Request("r", [1, 2, 3], SamplingParams())
     assert _block_row(req).tolist() == []
     for n in range(1, 70):

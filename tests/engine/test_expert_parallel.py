@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
+from tandem.engine import LLM, SamplingParams
+from tandem.engine.config import EngineConfig
 from tests.engine.test_tensor_parallel import assert_same_generation
 from tests.ports import free_port
 
@@ -31,8 +31,8 @@ def test_expert_parallel_over_tp_ranks(tiny_models, arch, placement):
 
 
 def _dp_rank(rank: int, kwargs: dict, prompts: list[list[int]], results, params=PARAMS) -> None:
-    from engine.core import EngineCore
-    from engine.protocol import EngineRequest
+    from tandem.engine.core import EngineCore
+    from tandem.engine.protocol import EngineRequest
 
     core = EngineCore(EngineConfig.create(**kwargs), dp_rank=rank)
     try:

@@ -4,7 +4,7 @@ without EP. Passed on 2x H200, 2026-11-23."""
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from tandem.engine import LLM, SamplingParams
 from tests.engine.test_expert_parallel import PARAMS, PROMPTS, run_dp_ranks
 from tests.engine.test_tensor_parallel import assert_same_generation
 from tests.ports import free_port

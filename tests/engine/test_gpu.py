@@ -7,8 +7,8 @@ teacher forcing and every chosen token's logprob must agree.
 import pytest
 import torch
 
-import kernels.linear
-from engine import LLM, SamplingParams
+from tandem.kernels import linear as kernels_linear
+from tandem.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -64,7 +64,7 @@ def test_pending_norms_as_close_to_hf_as_norm_launches(tiny_models, arch, monkey
     hf = hf.to("cuda")
     err = {}
     for fold in (False, True):
-        monkeypatch.setattr(kernels.linear, "FOLD_NORM", fold)
+        monkeypatch.setattr(kernels_linear, "FOLD_NORM", fold)
         llm = LLM(path, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=KV_BYTES)
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0))
         err[fold] = max(

@@ -3,7 +3,7 @@ log_softmax of its logits. Every scenario also checks that all KV blocks are fre
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from tandem.engine import LLM, SamplingParams
 from tests.engine.conftest import ARCHS
 
 GEN = 12

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from engine import LLM, SamplingParams
+from tandem.engine import LLM, SamplingParams
 
 
 def _copy(src, tmp_path):

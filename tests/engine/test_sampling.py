@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.request import Request
-from engine.sampler import SamplingBatch, sample
+from tandem.engine import LLM, SamplingParams
+from tandem.engine.request import Request
+from tandem.engine.sampler import SamplingBatch, sample
 
 
 @pytest.fixture(scope="module")

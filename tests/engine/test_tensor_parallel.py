@@ -4,7 +4,7 @@ Reference: the same model at --tensor-parallel-size 1 (itself checked against HF
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from tandem.engine import LLM, SamplingParams
 from tests.ports import free_port
 
 PROMPTS = [[3, 17, 29], list(range(40, 75)), [9] * 11]

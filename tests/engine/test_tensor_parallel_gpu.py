@@ -4,7 +4,7 @@ logprobs along the path rather than identical tokens)."""
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from tandem.engine import LLM, SamplingParams
 from tests.engine.test_gpu import PROMPTS, _hf_logprobs
 from tests.engine.test_tensor_parallel import free_port
 

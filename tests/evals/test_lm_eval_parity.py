@@ -1,7 +1,7 @@
 """lm-eval through the server scores exactly what lm-eval scores on the model itself.
 
 Reference: lm-eval's own `hf` backend (transformers, float32, greedy) on the same folder,
-engine/default_model. Server side: `python -m server` (no --model: the embedded default model)
+engine/default_model. Server side: `python -m tandem.server` (no --model: the embedded default model)
 queried by lm-eval's `local-completions` with string prompts (tokenized_requests=False), the
 way benchmarks/lm_eval/README.md runs it. Tasks: benchmarks/lm_eval/tasks/ on a GSM8K subset.
 """
@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from benchmarks.lm_eval.task_dir import write_task_dir
-from engine.config import DEFAULT_MODEL_DIR
+from tandem.engine.config import DEFAULT_MODEL_DIR
 from tests.ports import free_port as _free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -29,10 +29,10 @@ LOGLIKELIHOOD_ATOL = 1e-3
 
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory):
-    """`python -m server` on the default model, on a free port; stopped (SIGTERM) at teardown."""
+    """`python -m tandem.server` on the default model, on a free port; stopped (SIGTERM) at teardown."""
     port = _free_port()
     log_path = tmp_path_factory.mktemp("lm-eval-server") / "server.log"
-    cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "tandem.server", "--host", "127.0.0.1", "--port", str(port),
            "--device", "cpu", "--dtype", "float32", "--max-num-seqs", "16"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kernels.ep import make_dispatcher
-from kernels.ep.fp8 import dequantize_rows, quantize_rows
-from kernels.ep.placement import ExpertMap, local_experts
-from kernels.moe import fused_experts_ref
+from tandem.kernels.ep import make_dispatcher
+from tandem.kernels.ep.fp8 import dequantize_rows, quantize_rows
+from tandem.kernels.ep.placement import ExpertMap, local_experts
+from tandem.kernels.moe import fused_experts_ref
 from tests.ports import free_port as _free_port
 
 E, K, H, I = 8, 2, 32, 16
@@ -182,7 +182,7 @@ def _emulate_ipc(size: int, placement: str, uniform: bool = False) -> None:
     barrier, which needs the ranks running at once, is replaced by setting the token counts it
     carries. Reference: fused_experts_ref with all experts. uniform: every rank sends the same
 count (rows packed at s * T)."""
-    from kernels.ep.ipc import IpcDispatch
+    from tandem.kernels.ep.ipc import IpcDispatch
 
     max_tokens, (w13, w2) = 4, _weights()
     ranks = [IpcDispatch(None, ExpertMap(E, size, r, placement), max_tokens, H, torch.float32, device="cpu",

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kernels.ep import make_dispatcher
-from kernels.ep.fp8 import dequantize_rows, quantize_rows
-from kernels.ep.placement import local_experts
-from kernels.moe import fused_experts, fused_experts_ref
+from tandem.kernels.ep import make_dispatcher
+from tandem.kernels.ep.fp8 import dequantize_rows, quantize_rows
+from tandem.kernels.ep.placement import local_experts
+from tandem.kernels.moe import fused_experts, fused_experts_ref
 from tests.ports import free_port
 
 pytestmark = [pytest.mark.gpu,

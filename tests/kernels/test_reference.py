@@ -5,11 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul_ref
-from kernels.attention import paged_attention_ref, store_kvcache_ref
-from kernels.moe import fused_experts_ref, topk_routing
-from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.rotary import apply_rotary_ref, build_cos_sin_cache, rotary_store_kvcache_ref
+from tandem.kernels.activation import silu_and_mul_ref
+from tandem.kernels.attention import paged_attention_ref, store_kvcache_ref
+from tandem.kernels.moe import fused_experts_ref, topk_routing
+from tandem.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
+from tandem.kernels.rotary import apply_rotary_ref, build_cos_sin_cache, rotary_store_kvcache_ref
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul_ref
-from kernels.attention import paged_attention_ref, store_kvcache_ref
-from kernels.moe import fused_experts_ref, topk_routing, topk_routing_ref
-from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.rotary import apply_rotary_ref, build_cos_sin_cache, rotary_store_kvcache_ref
+from tandem.kernels.activation import silu_and_mul_ref
+from tandem.kernels.attention import paged_attention_ref, store_kvcache_ref
+from tandem.kernels.moe import fused_experts_ref, topk_routing, topk_routing_ref
+from tandem.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
+from tandem.kernels.rotary import apply_rotary_ref, build_cos_sin_cache, rotary_store_kvcache_ref
 
 DEVICE = "cuda"
 pytestmark = [pytest.mark.gpu,
@@ -69,7 +69,7 @@ ATTN_PARAMS += [("mixed", (32, 8), 128, torch.float16), ("decode", (16, 2), 64, 
 
 @pytest.mark.parametrize("case,heads,head_dim,dtype", ATTN_PARAMS)
 def test_paged_attention(case, heads, head_dim, dtype):
-    from kernels.triton.attention import paged_attention_triton
+    from tandem.kernels.triton.attention import paged_attention_triton
     q_lens, ctx_lens = ATTN_CASES[case]
     args = _paged_inputs(q_lens, ctx_lens, *heads, head_dim, 16, dtype)
     scale = 1 / math.sqrt(head_dim)
@@ -86,7 +86,7 @@ def test_paged_attention_dense_prefill(heads, head_dim, dtype):
     """Fresh prefills (plus decodes) with dense_kv: keys and values of the prefills are read from
     the new rows. The cache blocks of the prefills are zeroed afterwards, so an output that still
     matches the reference can only have come from the rows."""
-    from kernels.triton.attention import paged_attention_triton
+    from tandem.kernels.triton.attention import paged_attention_triton
     q_lens, ctx_lens = [300, 1, 129, 1, 2000], [300, 900, 129, 17, 2000]
     q, kc, vc, bt, seq_lens, qsl = _paged_inputs(q_lens, ctx_lens, *heads, head_dim, 16, dtype)
     ref = paged_attention_ref(q, kc, vc, bt, seq_lens, qsl, 0.1)
@@ -107,7 +107,7 @@ def test_paged_attention_dense_prefill(heads, head_dim, dtype):
 
 
 def test_paged_attention_odd_head_dim_and_group():
-    from kernels.triton.attention import paged_attention_triton
+    from tandem.kernels.triton.attention import paged_attention_triton
     args = _paged_inputs([3, 1, 50], [40, 77, 50], 28, 4, 80, 32, torch.bfloat16)
     ref = paged_attention_ref(*args, 0.1)
     assert _rel(paged_attention_triton(*args, 0.1), ref) < TOL[torch.bfloat16]
@@ -118,8 +118,8 @@ def test_paged_attention_rope(heads, rot_fraction, qk_norm):
     """A decode batch whose q/k norm, rotation and KV store the attention launch does (NewTokens):
     output and cache against rotary_store_kvcache_ref then paged_attention_ref, with and without
     split-K (the split holding the new key stores it)."""
-    from kernels.attention import NewTokens
-    from kernels.triton.attention import paged_attention_triton
+    from tandem.kernels.attention import NewTokens
+    from tandem.kernels.triton.attention import paged_attention_triton
     q_lens, ctx_lens = ATTN_CASES["decode"]
     _, kc, vc, bt, seq_lens, qsl = _paged_inputs(q_lens, ctx_lens, *heads, 128, 16, torch.bfloat16)
     hq, hk = heads
@@ -145,7 +145,7 @@ def test_paged_attention_rope(heads, rot_fraction, qk_norm):
 
 def test_paged_attention_graph_capture():
     """Decode under CUDA graph capture: no host sync, replays see new lengths."""
-    from kernels.triton.attention import paged_attention_triton
+    from tandem.kernels.triton.attention import paged_attention_triton
     q, kc, vc, bt, seq_lens, qsl = _paged_inputs([1] * 4, [4000, 20, 2000, 100], 32, 8, 128, 16,
                                                  torch.bfloat16)
     paged_attention_triton(q, kc, vc, bt, seq_lens, qsl, 0.08, 1, None)  # compile outside capture
@@ -163,7 +163,7 @@ def test_paged_attention_graph_capture():
 @pytest.mark.parametrize("heavy_first,offs_32", [(False, False), (True, False), (False, True)])
 def test_paged_attention_launch_variants(heavy_first, offs_32):
     """Grid order and 32-bit cache offsets change the schedule and the address math, not the result."""
-    from kernels.triton.attention import _paged_attention
+    from tandem.kernels.triton.attention import _paged_attention
     q_lens, ctx_lens = ATTN_CASES["mixed"]
     args = _paged_inputs(q_lens, ctx_lens, 32, 8, 128, 16, torch.bfloat16)
     ref = paged_attention_ref(*args, 0.09)
@@ -181,7 +181,7 @@ def test_paged_attention_launch_variants(heavy_first, offs_32):
 def test_paged_attention_wide_plans(plan):
     """Chunks behind context and a fresh prompt on the prefill plans: the block-table entries read
     as scalars per page (BT_SCALAR), the tile shapes the launch picks by grid size."""
-    from kernels.triton.attention import _launch_plans, _paged_attention
+    from tandem.kernels.triton.attention import _launch_plans, _paged_attention
     q_lens, ctx_lens = [1500, 1, 700, 37], [3000, 900, 700, 1037]
     args = _paged_inputs(q_lens, ctx_lens, 32, 8, 128, 16, torch.bfloat16)
     if plan is None:
@@ -195,7 +195,7 @@ def test_paged_attention_wide_plans(plan):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kvcache(dtype):
-    from kernels.triton.attention import store_kvcache_triton
+    from tandem.kernels.triton.attention import store_kvcache_triton
     T, Hk, D, page = 70, 8, 128, 16
     qkv = torch.randn(T, 32 + 2 * Hk, D, device=DEVICE).to(dtype)  # key/value as views of it
     key, value = qkv[:, 32:32 + Hk], qkv[:, 32 + Hk:]
@@ -212,7 +212,7 @@ def test_store_kvcache(dtype):
 @pytest.mark.parametrize("shape", [(1, 4096), (37, 4096), (5, 3, 1000), (2048, 2048)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm(shape, dtype):
-    from kernels.triton.norm import fused_add_rms_norm_triton, rms_norm_triton
+    from tandem.kernels.triton.norm import fused_add_rms_norm_triton, rms_norm_triton
     x = torch.randn(shape, device=DEVICE).to(dtype)
     res = torch.randn(shape, device=DEVICE).to(dtype)
     w = (1 + 0.1 * torch.randn(shape[-1], device=DEVICE)).to(dtype)
@@ -228,7 +228,7 @@ def test_rms_norm(shape, dtype):
 @pytest.mark.parametrize("rot_fraction", [1.0, 0.5])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary(rot_fraction, dtype):
-    from kernels.triton.rotary import apply_rotary_triton
+    from tandem.kernels.triton.rotary import apply_rotary_triton
     T, Hq, Hk, D = 333, 32, 8, 128
     rot = int(D * rot_fraction)
     inv_freq = 1.0 / (500000 ** (torch.arange(0, rot, 2, device=DEVICE).float() / rot))
@@ -248,7 +248,7 @@ def test_rotary(rot_fraction, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rotate_k", [False, True])
 def test_rotary_store_kvcache(rot_fraction, qk_norm, dtype, rotate_k):
-    from kernels.triton.rotary import rotary_store_kvcache_triton
+    from tandem.kernels.triton.rotary import rotary_store_kvcache_triton
     T, Hq, Hk, D, page = 77, 32, 4, 128, 16
     rot = int(D * rot_fraction)
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, rot, 2, device=DEVICE).float() / rot))
@@ -284,7 +284,7 @@ def test_rotary_store_kvcache(rot_fraction, qk_norm, dtype, rotate_k):
 @pytest.mark.parametrize("num_tokens", [1, 7, 300])
 @pytest.mark.parametrize("scoring,renormalize", [("softmax", True), ("softmax", False), ("sigmoid", True)])
 def test_topk_routing(experts, top_k, num_tokens, scoring, renormalize):
-    from kernels.triton.routing import topk_routing_triton
+    from tandem.kernels.triton.routing import topk_routing_triton
     logits = torch.randn(num_tokens, experts, device=DEVICE).to(torch.bfloat16)
     w, ids = topk_routing_triton(logits, top_k, renormalize, scoring)
     w_ref, ids_ref = topk_routing_ref(logits, top_k, renormalize, scoring)
@@ -298,7 +298,7 @@ def test_topk_routing(experts, top_k, num_tokens, scoring, renormalize):
 @pytest.mark.parametrize("shape", [(1, 2 * 14336), (77, 2 * 768), (4, 3, 2 * 100)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(shape, dtype):
-    from kernels.triton.activation import silu_and_mul_triton
+    from tandem.kernels.triton.activation import silu_and_mul_triton
     x = torch.randn(shape, device=DEVICE).to(dtype)
     _poison(x.numel() * 4)
     assert _rel(silu_and_mul_triton(x), silu_and_mul_ref(x)) < TOL[dtype] / 4
@@ -311,7 +311,7 @@ MOE_SHAPES = {"mixtral_like": (8, 2, 512, 384), "qwen3_30b_a3b": (128, 8, 2048, 
 @pytest.mark.parametrize("num_tokens", [1, 2, 7, 64, 300, 4096])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_experts(model, num_tokens, dtype):
-    from kernels.triton.moe import fused_experts_triton
+    from tandem.kernels.triton.moe import fused_experts_triton
     E, k, H, inter = MOE_SHAPES[model]
     x = torch.randn(num_tokens, H, device=DEVICE).to(dtype)
     w13 = (torch.randn(E, 2 * inter, H, device=DEVICE) / math.sqrt(H)).to(dtype)
@@ -331,7 +331,7 @@ def test_fused_experts(model, num_tokens, dtype):
 @pytest.mark.parametrize("num_tokens", [1, 2])
 def test_fused_experts_pair_blocks_match_grouping(num_tokens):
     """The decode path (a block per pair, per-token sum) against the grouped path on one input."""
-    from kernels.triton.moe import _fused_experts
+    from tandem.kernels.triton.moe import _fused_experts
     E, k, H, inter = MOE_SHAPES["qwen3_30b_a3b"]
     x = torch.randn(num_tokens, H, device=DEVICE).to(torch.bfloat16)
     w13 = (torch.randn(E, 2 * inter, H, device=DEVICE) / math.sqrt(H)).to(torch.bfloat16)
@@ -351,12 +351,12 @@ def test_pdl_chain_in_graph_matches_without():
     launch, cuBLAS between them) captured in a CUDA graph: replays on new inputs give the bits
     that the same chain gives with PDL off, so no kernel reads its input before the one ahead of
     it has written it."""
-    from kernels.triton import pdl
-    from kernels.triton.activation import silu_and_mul_triton
-    from kernels.triton.attention import paged_attention_triton
-    from kernels.triton.moe import fused_experts_triton
-    from kernels.triton.norm import fused_add_rms_norm_triton, rms_norm_triton
-    from kernels.triton.routing import topk_routing_triton
+    from tandem.kernels.triton import pdl
+    from tandem.kernels.triton.activation import silu_and_mul_triton
+    from tandem.kernels.triton.attention import paged_attention_triton
+    from tandem.kernels.triton.moe import fused_experts_triton
+    from tandem.kernels.triton.norm import fused_add_rms_norm_triton, rms_norm_triton
+    from tandem.kernels.triton.routing import topk_routing_triton
     H, E, k, inter = 512, 16, 4, 256
     x = torch.randn(4, H, device=DEVICE, dtype=torch.bfloat16)
     w_norm = torch.rand(H, device=DEVICE, dtype=torch.bfloat16) + 0.5
@@ -405,7 +405,7 @@ def test_pdl_chain_in_graph_matches_without():
 def test_skinny_linear(rows, n, k, dtype):
     """Decode-sized linear layers (the K split and its ticket reduction included) against a float64
     matmul; a second call on new inputs checks that the tickets were put back."""
-    from kernels.triton.linear import _config, skinny_linear_triton
+    from tandem.kernels.triton.linear import _config, skinny_linear_triton
     w = (torch.randn(n, k, device=DEVICE) / math.sqrt(k)).to(dtype)
     for _ in range(2):
         x = torch.randn(rows, k, device=DEVICE).to(dtype)
@@ -423,8 +423,8 @@ def test_skinny_linear(rows, n, k, dtype):
 def test_skinny_linear_graph_and_dispatch():
     """kernels.linear.linear takes the Triton GEMM for <= 16 rows (bias added after) and torch
     above; under graph capture replays see new inputs."""
-    from kernels.linear import linear
-    from kernels.triton.linear import MAX_ROWS
+    from tandem.kernels.linear import linear
+    from tandem.kernels.triton.linear import MAX_ROWS
     w = torch.randn(512, 2048, device=DEVICE, dtype=torch.bfloat16) / 45
     b = torch.randn(512, device=DEVICE, dtype=torch.bfloat16)
     for rows in (1, MAX_ROWS, MAX_ROWS + 1):
@@ -441,7 +441,7 @@ def test_skinny_linear_graph_and_dispatch():
         graph.replay()
         assert _rel(out, x.double() @ w.double().t()) < TOL[torch.bfloat16]
     with pytest.raises(ValueError, match="at most 16 rows"):
-        from kernels.triton.linear import skinny_linear_triton
+        from tandem.kernels.triton.linear import skinny_linear_triton
         skinny_linear_triton(torch.zeros(17, 2048, device=DEVICE, dtype=torch.bfloat16), w)
 
 
@@ -451,7 +451,7 @@ def test_skinny_linear_pending_norm(rows, k1, n, n2):
     """o_proj-like GEMM + residual with the RMSNorm left pending (NORM_OUT), then the next GEMM
     applying it (NORM_IN; 128 x 2048 is the MoE router, split 8), against the reference chain
     (GEMM, add, norm, GEMM); both GEMMs' split paths; two calls (tickets put back)."""
-    from kernels.triton.linear import skinny_linear_add_norm_triton, skinny_linear_normed_triton
+    from tandem.kernels.triton.linear import skinny_linear_add_norm_triton, skinny_linear_normed_triton
     dtype, eps = torch.bfloat16, 1e-6
     w1 = (torch.randn(n, k1, device=DEVICE) / math.sqrt(k1)).to(dtype)
     w2 = (torch.randn(n2, n, device=DEVICE) / math.sqrt(n)).to(dtype)
@@ -474,8 +474,8 @@ def test_routed_experts_pending_norm(model, num_tokens):
     from the GEMM ahead) against the norm then the experts reference, and the second leaving the
     next one pending (the fused sum, or the sum launch); 5 x top-8 pairs are grouped (the
     routing launch), the others a block per pair."""
-    from kernels.triton import moe
-    from kernels.triton.linear import skinny_linear_add_norm_triton, skinny_linear_normed_triton
+    from tandem.kernels.triton import moe
+    from tandem.kernels.triton.linear import skinny_linear_add_norm_triton, skinny_linear_normed_triton
     E, k, H, inter = MOE_SHAPES[model]
     w13 = (torch.randn(E, 2 * inter, H, device=DEVICE) / math.sqrt(H)).to(torch.bfloat16)
     w2 = (torch.randn(E, H, inter, device=DEVICE) / math.sqrt(inter)).to(torch.bfloat16)
@@ -506,7 +506,7 @@ def test_fused_experts_fused_sum(monkeypatch, model, num_tokens, dtype):
     """The top-k sum done by the second expert GEMM (a block per pair) against the reference and
     against the separate sum kernel; tokens with experts owned elsewhere, and one with none here
     (its row must be zero). Two calls, so a ticket left behind would show."""
-    from kernels.triton import moe
+    from tandem.kernels.triton import moe
     E, k, H, inter = MOE_SHAPES[model]
     w13 = (torch.randn(E, 2 * inter, H, device=DEVICE) / math.sqrt(H)).to(dtype)
     w2 = (torch.randn(E, H, inter, device=DEVICE) / math.sqrt(inter)).to(dtype)
@@ -535,7 +535,7 @@ def test_routed_experts(monkeypatch, model, num_tokens, scoring, renormalize):
     """Routing inside the first expert GEMM (a block per pair) gives the bits of the routing
     launch + experts, and matches the reference; ties in the logits go to the lower expert.
     5 tokens x top-8 is past a block per pair: the routing launch runs either way."""
-    from kernels.triton import moe
+    from tandem.kernels.triton import moe
     E, k, H, inter = MOE_SHAPES[model]
     w13 = (torch.randn(E, 2 * inter, H, device=DEVICE) / math.sqrt(H)).to(torch.bfloat16)
     w2 = (torch.randn(E, H, inter, device=DEVICE) / math.sqrt(inter)).to(torch.bfloat16)
@@ -562,7 +562,7 @@ ARGMAX_SHAPES = [(1, 128256), (64, 151936), (3, 1000), (5, 4096), (2, 4097), (7,
 def test_argmax(shape, dtype):
     """One-launch argmax against torch.argmax, with ties across chunks (the first wins), NaN
     (wins), -inf rows and rows of one repeated value; twice, for the tickets."""
-    from kernels.triton.argmax import argmax_triton
+    from tandem.kernels.triton.argmax import argmax_triton
     n, v = shape
     for _ in range(2):
         x = torch.randn(n, v, device=DEVICE).to(dtype)
@@ -580,7 +580,7 @@ def test_argmax(shape, dtype):
 
 
 def test_argmax_in_graph():
-    from kernels.triton.argmax import argmax_triton
+    from tandem.kernels.triton.argmax import argmax_triton
     x = torch.randn(4, 151936, device=DEVICE)
     argmax_triton(x)
     torch.cuda.synchronize()

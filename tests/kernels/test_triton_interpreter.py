@@ -31,7 +31,7 @@ def run_case(name: str) -> None:
     """Raises AssertionError when the kernel disagrees with its reference."""
     torch.manual_seed(0)
     if name.startswith("argmax"):
-        from kernels.triton.argmax import argmax_triton
+        from tandem.kernels.triton.argmax import argmax_triton
         x = torch.randn(3, 1000) if name == "argmax" else torch.randn(4, 9000)  # 9000: 3 chunks + ticket
         if name != "argmax":
             x[0, 8999] = x[0, 10] = x[0].max() + 1  # tie across chunks: the first wins
@@ -40,7 +40,7 @@ def run_case(name: str) -> None:
         for _ in range(2):  # the second call sees the tickets the first put back
             assert torch.equal(argmax_triton(x), x.argmax(-1)), (argmax_triton(x), x.argmax(-1))
     elif name in ("skinny_gemm", "skinny_gemm_split"):
-        from kernels.triton.linear import skinny_linear_triton
+        from tandem.kernels.triton.linear import skinny_linear_triton
         m, n, k = (1, 64, 512) if name == "skinny_gemm" else (3, 40, 4096)  # 40 x 4096: K split in 16
         w = (torch.randn(n, k) / k**0.5).half()
         for _ in range(2):
@@ -49,8 +49,8 @@ def run_case(name: str) -> None:
     elif name == "skinny_gemm_pending_norm":
         # o_proj-like GEMM + residual with the norm left pending, then the next GEMM applies it;
         # (40, 4096) and (64, 512) split K (the ticket program adds and sums), (48, 384) does not
-        from kernels.norm import rms_norm_ref
-        from kernels.triton.linear import skinny_linear_add_norm_triton, skinny_linear_normed_triton
+        from tandem.kernels.norm import rms_norm_ref
+        from tandem.kernels.triton.linear import skinny_linear_add_norm_triton, skinny_linear_normed_triton
         for m, k1, n, n2 in [(1, 4096, 40, 48), (3, 384, 48, 64), (2, 512, 64, 40)]:
             w1, w2 = (torch.randn(n, k1) / k1**0.5).half(), (torch.randn(n2, n) / n**0.5).half()
             g = (1 + 0.3 * torch.randn(n)).half()
@@ -63,8 +63,8 @@ def run_case(name: str) -> None:
                 y = skinny_linear_normed_triton(sg, w2, ss, 1e-6)
                 assert _rel(y, h_ref.double() @ w2.double().t()) < 5e-3, (m, k1, n)
     elif name == "topk_routing":
-        from kernels.moe import topk_routing_ref
-        from kernels.triton.routing import topk_routing_triton
+        from tandem.kernels.moe import topk_routing_ref
+        from tandem.kernels.triton.routing import topk_routing_triton
         logits = torch.randn(5, 16)
         logits[0, 3] = logits[0, 9] = logits[0].max() + 1
         for scoring, renorm in [("softmax", True), ("sigmoid", False)]:
@@ -72,8 +72,8 @@ def run_case(name: str) -> None:
             w_ref, ids_ref = topk_routing_ref(logits, 4, renorm, scoring)
             assert torch.equal(ids, ids_ref) and torch.allclose(w, w_ref, atol=1e-6), (scoring, ids, ids_ref)
     elif name.startswith("routed_experts"):
-        from kernels.moe import fused_experts_ref, topk_routing_ref
-        from kernels.triton import moe
+        from tandem.kernels.moe import fused_experts_ref, topk_routing_ref
+        from tandem.kernels.triton import moe
         E, k, H, inter = 16, 4, 64, 32
         w13 = (torch.randn(E, 2 * inter, H) / H**0.5).half()
         w2 = (torch.randn(E, H, inter) / inter**0.5).half()
@@ -93,8 +93,8 @@ def run_case(name: str) -> None:
                 finally:
                     moe.FUSED_ROUTING, moe.FUSED_SUM = True, True
         elif name == "routed_experts_pending_norm":  # rows s * g, the norm's 1/rms in the first GEMM
-            from kernels.norm import rms_norm_ref
-            from kernels.triton.linear import skinny_linear_add_norm_triton, skinny_linear_normed_triton
+            from tandem.kernels.norm import rms_norm_ref
+            from tandem.kernels.triton.linear import skinny_linear_add_norm_triton, skinny_linear_normed_triton
             g = (1 + 0.3 * torch.randn(H)).half()
             w_o = (torch.randn(H, 96) / 96**0.5).half()
             for tokens in (1, 5):  # 5 x 4 pairs: grouped, the routing launch
@@ -119,8 +119,8 @@ def run_case(name: str) -> None:
             out = moe.fused_experts_triton(x, w13, w2, w, ids)
             assert _rel(out, fused_experts_ref(x, w13, w2, w, ids)) < 5e-3 and torch.all(out[2] == 0)
     elif name == "paged_attention_split":
-        from kernels.attention import paged_attention_ref
-        from kernels.triton.attention import paged_attention_triton
+        from tandem.kernels.attention import paged_attention_ref
+        from tandem.kernels.triton.attention import paged_attention_triton
         bs, hq, hk, d = 16, 4, 2, 32
         kc, vc = torch.randn(12, bs, hk, d).half(), torch.randn(12, bs, hk, d).half()
         bt = torch.tensor([[3, 5, 7, 0, 9], [1, 2, 0, 0, 0]], dtype=torch.int32)
@@ -132,9 +132,9 @@ def run_case(name: str) -> None:
     elif name == "paged_attention_rope":
         # a decode batch whose q/k norm, rotation (half the dims) and KV store the attention
         # programs do: output and cache against the rotary-store reference, then attention
-        from kernels.attention import NewTokens, paged_attention_ref
-        from kernels.rotary import build_cos_sin_cache, rotary_store_kvcache_ref
-        from kernels.triton.attention import paged_attention_triton
+        from tandem.kernels.attention import NewTokens, paged_attention_ref
+        from tandem.kernels.rotary import build_cos_sin_cache, rotary_store_kvcache_ref
+        from tandem.kernels.triton.attention import paged_attention_triton
         bs, hq, hk, d = 16, 4, 2, 64
         kc, vc = torch.randn(24, bs, hk, d).half(), torch.randn(24, bs, hk, d).half()
         bt = torch.randperm(24, dtype=torch.int32)[:20].repeat(2, 1)
@@ -158,8 +158,8 @@ def run_case(name: str) -> None:
     elif name == "paged_attention_prefill_scalar_table":
         # a chunk behind context and a fresh prompt, 16-key tiles over 4-key pages: the tile's
         # block-table entries read as 4 scalars (BT_SCALAR), a ragged last tile, a shuffled table
-        from kernels.attention import paged_attention_ref
-        from kernels.triton.attention import _paged_attention
+        from tandem.kernels.attention import paged_attention_ref
+        from tandem.kernels.triton.attention import _paged_attention
         page, hq, hk, d = 4, 4, 2, 32
         kc, vc = torch.randn(40, page, hk, d).half(), torch.randn(40, page, hk, d).half()
         bt = torch.randperm(40, dtype=torch.int32)[:36].view(2, 18)

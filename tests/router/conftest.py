@@ -4,8 +4,8 @@ stopped at teardown."""
 import httpx
 import pytest
 
-from router.app import build_app
-from router.config import RouterConfig
+from tandem.router.app import build_app
+from tandem.router.config import RouterConfig
 from tests.router.router_fakes import FakeInstance, ServerThread, free_port, wait_for
 
 FAST_TIMINGS = dict(ping_interval_s=0.1, instance_timeout_s=1.0, health_check_timeout_s=0.5,

@@ -1,9 +1,9 @@
 """Routing policies: unit tests on the policy objects, then end to end through the router."""
 import time
 
-from router.policy import LeastLoadPolicy, RoundRobinPolicy
-from router.protocol import LoadReport, RegisterMessage
-from router.registry import Instance
+from tandem.router.policy import LeastLoadPolicy, RoundRobinPolicy
+from tandem.router.protocol import LoadReport, RegisterMessage
+from tandem.router.registry import Instance
 from tests.router.router_fakes import wait_for
 
 COMPLETION = {"model": "fake-model", "prompt": "hi", "max_tokens": 4}

@@ -1,4 +1,4 @@
-"""Server test fixtures: a tiny random Llama (built once per session) and real `python -m server`
+"""Server test fixtures: a tiny random Llama (built once per session) and real `python -m tandem.server`
 processes on free 127.0.0.1 ports, reaped at teardown."""
 import os
 import signal
@@ -24,15 +24,15 @@ ENGINE_ARGS = ["--device", "cpu", "--dtype", "float32", "--max-model-len", str(M
 
 
 class ServerProcess:
-    """`python -m server` in a subprocess; log in `log_path`."""
+    """`python -m tandem.server` in a subprocess; log in `log_path`."""
 
     def __init__(self, log_path: Path, args: list[str]):
-        """`python -m server --host 127.0.0.1 --port <free> *args`; its name is the log's stem."""
+        """`python -m tandem.server --host 127.0.0.1 --port <free> *args`; its name is the log's stem."""
         self.name = log_path.stem
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "tandem.server", "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT)
 

@@ -8,7 +8,7 @@ import time
 
 import zmq
 
-from engine.core_proc import _LOCKSTEP_IDLE_POLL_MS, EngineCoreLoop
+from tandem.engine.core_proc import _LOCKSTEP_IDLE_POLL_MS, EngineCoreLoop
 
 
 class _Stop(Exception):
@@ -31,7 +31,7 @@ class FakeLockstepCore:
         return []
 
     def get_stats(self):
-        from engine.protocol import SchedulerStats
+        from tandem.engine.protocol import SchedulerStats
         return SchedulerStats()
 
 

@@ -1,4 +1,4 @@
-"""The OpenAI API of a real `python -m server` on the tiny Llama. References: transformers'
+"""The OpenAI API of a real `python -m tandem.server` on the tiny Llama. References: transformers'
 forward pass on the same weights (logprobs within 1e-4, greedy tokens equal), the
 non-streaming response (for streams), and OpenAI's error JSON shape."""
 import json

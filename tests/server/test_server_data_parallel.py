@@ -40,7 +40,7 @@ def moe_model_dir(tiny_model_dir, tmp_path_factory):
 def test_data_parallel_expert_parallel_server(moe_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from engine import LLM, SamplingParams
+    from tandem.engine import LLM, SamplingParams
 
     ref = LLM(str(moe_model_dir), dtype="float32", device="cpu").generate(
         PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))

@@ -5,13 +5,13 @@ import asyncio
 import httpx
 import pytest
 
-from engine.config import EngineConfig
-from engine.protocol import RequestOutput, SchedulerStats
-from server.api import build_app
-from server.detokenizer import IncrementalDetokenizer
-from server.engine_client import EngineInfo, RequestStream
-from server.errors import APIError
-from server.tokenizer import Tokenizer
+from tandem.engine.config import EngineConfig
+from tandem.engine.protocol import RequestOutput, SchedulerStats
+from tandem.server.api import build_app
+from tandem.server.detokenizer import IncrementalDetokenizer
+from tandem.server.engine_client import EngineInfo, RequestStream
+from tandem.server.errors import APIError
+from tandem.server.tokenizer import Tokenizer
 
 TEXT = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May. Natalia sold 48+24 = 72 clips — "
         "café, naïve, 日本語 and emoji 🙂 included.")

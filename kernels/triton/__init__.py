@@ -1,0 +1,1 @@
+"""Triton kernels (CUDA and ROCm), each behind a small function in kernels/."""
