@@ -113,3 +113,32 @@ def test_hadolint_flags_a_root_image():
     result = subprocess.run([tool("hadolint"), "--format", "json", "-"], input=bad, capture_output=True, text=True)
     codes = {f["code"] for f in json.loads(result.stdout)}
     assert result.returncode != 0 and {"DL3002", "DL3008"} <= codes, codes
+
+
+def test_wheel_stage_packs_the_default_model(tmp_path):
+    """What the `wheel` stage does, without Docker: `pip wheel .` over the context the
+    .dockerignore lets in. Reference: the embedded default model's files in this checkout, and
+    the `server` console script of pyproject.toml."""
+    import shutil
+    import sys
+    import zipfile
+
+    lines = [l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines() if l.strip()]
+    context = tmp_path / "context"
+    context.mkdir()
+    drop = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for entry in (l[1:].rstrip("/") for l in lines if l.startswith("!")):
+        src = ROOT / entry
+        (shutil.copytree(src, context / entry, ignore=drop) if src.is_dir() else shutil.copy(src, context / entry))
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "--wheel-dir", str(tmp_path / "wheels"), str(context)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    wheel, = (tmp_path / "wheels").glob("tandem-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        entry_points = next(z.read(n).decode() for n in names if n.endswith("entry_points.txt"))
+    model = {f"tandem/engine/default_model/{p.name}" for p in (ROOT / "engine" / "default_model").iterdir()}
+    assert model <= names, f"the image would lack {sorted(model - names)}"
+    assert "server = tandem.server.__main__:main" in entry_points
+    for package in _package_dirs():
+        assert f"tandem/{package}/__init__.py" in names
