@@ -119,7 +119,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "disagg":
         from tandem.server.roles import run_disagg
         return run_disagg(args)
+    if (args.node_rank or 0) > 0:
+        return run_node(args)
     return run_api_server(args)
+
+
+def run_node(args: argparse.Namespace) -> int:
+    """--node-rank > 0: this node's ranks only (node 0 runs the API and the scheduler)."""
+    from tandem.engine.config import config_from_args
+    from tandem.engine.worker import run_node_workers
+
+    logger.info("node %d: starting this node's ranks; node 0 serves the API", args.node_rank)
+    run_node_workers(config_from_args(args))
+    return 0
 
 
 if __name__ == "__main__":
