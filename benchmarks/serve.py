@@ -421,12 +421,9 @@ def _parse_slo(item: str) -> tuple[str, float]:
     return name, float(value)  # argparse reports a ValueError here as an invalid value
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__.splitlines()[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """What is sent (endpoint, dataset, lengths, arrivals shape, sampling); benchmarks.goodput reuses these."""
     p.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
-    p.add_argument("--model", default=None, help="model name to send; default: first of GET /v1/models")
-    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer folder/name for exact prompt token counts")
     p.add_argument("--dataset", "--dataset-name", choices=DATASETS, default="random",
                    help="random tokens, a local ShareGPT JSON (--dataset-path), or shared prefixes")
@@ -443,13 +440,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len*(1±r)")
     p.add_argument("--vocab-size", type=int, default=32000, help="token-id prompts draw ids below this")
     p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 is Poisson")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
     p.add_argument("--seed", type=int, default=0)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__.splitlines()[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
+    p.add_argument("--model", default=None, help="model name to send; default: first of GET /v1/models")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    add_workload_args(p)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
     p.add_argument("--goodput", nargs="+", type=_parse_slo, default=[], metavar="METRIC:MS",
                    help="SLOs for goodput: ttft, tpot, itl (every gap), e2el")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="same as --goodput ttft:MS")
