@@ -115,3 +115,20 @@ def test_gpu_assignment_and_instance_flags():
     dp = LaunchOptions(server_args=("--data-parallel-size", "2"), gpus=options.gpus)
     assert "--tensor-parallel-size" not in instance_argv(t, "prefill", dp, "127.0.0.1:9")
     assert instance_argv(Topology.parse("colloc:1"), "collocated", options, None) == ["--model", "m"]
+
+
+def test_dummy_model_tokenizer_covers_the_vocabulary(tmp_path):
+    """Reference: random ids over the whole vocabulary survive decode -> encode unchanged."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from benchmarks.dummy_model import write_dummy_model
+
+    out = write_dummy_model("qwen3-30b-a3b", tmp_path / "m")
+    tok = AutoTokenizer.from_pretrained(out)
+    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+    assert len(tok) == vocab and tok.eos_token_id == 0
+    rng = random.Random(0)
+    ids = [rng.randrange(2, vocab) for _ in range(500)] + [vocab - 1, 2, 12, 121]
+    assert tok.encode(tok.decode(ids), add_special_tokens=False) == ids
