@@ -27,20 +27,13 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
+from benchmarks.datasets import (DATASETS, MIN_RANDOM_TOKEN_ID, WORDS, Prompt,  # noqa: F401 (re-exported)
+                                 build_prompts, sample_lengths)
+
 logger = logging.getLogger(__name__)
 
 SLO_METRICS = ("ttft", "tpot", "itl", "e2el")
 REQUEST_TIMEOUT_S = 6 * 3600
-# Token ids below this are often special/control tokens in common vocabularies.
-MIN_RANDOM_TOKEN_ID = 100
-# Common English words that most BPE vocabularies encode as one token each (with a leading space).
-WORDS = (
-    "the of and to in is you that it he was for on are as with his they at be this have from or one "
-    "had by word but not what all were we when your can said there use an each which she do how their "
-    "if will up other about out many then them these so some her would make like him into time has look "
-    "two more write go see number no way could people my than first water been call who its now find "
-    "long down day did get come made may part over new sound take only little work know place year live"
-).split()
 
 
 @dataclass(frozen=True)
@@ -56,6 +49,13 @@ class BenchmarkConfig:
     random_output_len: int = 128
     random_prefix_len: int = 0
     random_range_ratio: float = 0.0
+    dataset: str = "random"  # random | sharegpt | prefix-repetition (benchmarks/datasets.py)
+    dataset_path: str | None = None  # sharegpt: the local JSON file
+    sharegpt_output_len: int | None = None  # None: each conversation's reply length
+    prefix_repetition_prefix_len: int = 256
+    prefix_repetition_suffix_len: int = 256
+    prefix_repetition_num_prefixes: int = 10
+    prefix_repetition_output_len: int = 128
     vocab_size: int = 32000  # upper bound for token-id prompts when no tokenizer is given
     num_prompts: int = 200
     request_rate: float = math.inf
@@ -72,13 +72,6 @@ class BenchmarkConfig:
     @property
     def is_chat(self) -> bool:
         return self.endpoint.rstrip("/").endswith("/chat/completions")
-
-
-@dataclass(frozen=True)
-class Prompt:
-    body: str | list[int]  # text, or token ids for servers that accept them on /v1/completions
-    prompt_len: int  # client-side token count (an estimate for word prompts)
-    max_tokens: int
 
 
 @dataclass
@@ -107,7 +100,7 @@ class RequestRecord:
 class BenchmarkResult:
     config: BenchmarkConfig
     model: str
-    prompt_format: str  # "token-ids", "tokenizer-text" or "words"
+    prompt_format: str  # "token-ids", "tokenizer-text", "words" or "text" (sharegpt)
     duration_s: float
     records: list[RequestRecord]
     summary: dict[str, Any]
@@ -180,50 +173,6 @@ def summarize(records: Sequence[RequestRecord], duration_s: float,
 
 
 # ---------------------------------------------------------------- workload
-
-def sample_lengths(config: BenchmarkConfig, rng: random.Random) -> list[tuple[int, int]]:
-    """(input_len, output_len) per prompt, uniform in [len*(1-r), len*(1+r)] like vLLM's random set."""
-    if not 0.0 <= config.random_range_ratio < 1.0:
-        raise ValueError(f"--random-range-ratio must be in [0, 1), got {config.random_range_ratio}")
-    r = config.random_range_ratio
-
-    def draw(n: int) -> int:
-        return max(1, rng.randint(int(n * (1 - r)), int(n * (1 + r))))
-
-    return [(draw(config.random_input_len), draw(config.random_output_len)) for _ in range(config.num_prompts)]
-
-
-def build_prompts(config: BenchmarkConfig, rng: random.Random, prompt_format: str,
-                  tokenizer: Any = None) -> list[Prompt]:
-    """Random prompts sharing a random prefix of --random-prefix-len tokens."""
-    lengths = sample_lengths(config, rng)
-    if prompt_format == "token-ids":
-        def draw_ids(n: int) -> list[int]:
-            return [rng.randrange(MIN_RANDOM_TOKEN_ID, config.vocab_size) for _ in range(n)]
-        prefix = draw_ids(config.random_prefix_len)
-        bodies = [prefix + draw_ids(n) for n, _ in lengths]
-        return [Prompt(b, len(b), out) for b, (_, out) in zip(bodies, lengths)]
-    if prompt_format == "tokenizer-text":
-        special = set(tokenizer.all_special_ids)
-        usable = [i for i in range(len(tokenizer)) if i not in special]
-        prefix = rng.choices(usable, k=config.random_prefix_len)
-        prompts = []
-        for n, out in lengths:
-            target = config.random_prefix_len + n
-            ids = prefix + rng.choices(usable, k=n)
-            # Decode/encode does not round-trip exactly: re-encode, trim or pad the tail, retry.
-            for _ in range(4):
-                text = tokenizer.decode(ids)
-                ids = tokenizer.encode(text, add_special_tokens=False)
-                if len(ids) == target:
-                    break
-                ids = ids[:target] + rng.choices(usable, k=max(0, target - len(ids)))
-            prompts.append(Prompt(text, len(tokenizer.encode(text, add_special_tokens=False)), out))
-        return prompts
-    prefix_words = rng.choices(WORDS, k=config.random_prefix_len)
-    texts = [" ".join(prefix_words + rng.choices(WORDS, k=n)) for n, _ in lengths]
-    return [Prompt(t, config.random_prefix_len + n, out) for t, (n, out) in zip(texts, lengths)]
-
 
 def arrival_intervals(n: int, request_rate: float, burstiness: float, rng: random.Random) -> list[float]:
     """Gaps between request sends: gamma(shape=burstiness, mean=1/rate); burstiness 1 is Poisson."""
@@ -350,6 +299,8 @@ async def run_benchmark(config: BenchmarkConfig) -> BenchmarkResult:
             from transformers import AutoTokenizer  # only needed with --tokenizer
 
             tokenizer, prompt_format = AutoTokenizer.from_pretrained(config.tokenizer), "tokenizer-text"
+        elif config.dataset == "sharegpt":
+            prompt_format = "text"  # the conversations' own text
         elif not config.is_chat and await _accepts_token_ids(session, url, model, config.vocab_size):
             prompt_format = "token-ids"
         else:
@@ -470,27 +421,40 @@ def _parse_slo(item: str) -> tuple[str, float]:
     return name, float(value)  # argparse reports a ValueError here as an invalid value
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__.splitlines()[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """What is sent (endpoint, dataset, lengths, arrivals shape, sampling); benchmarks.goodput reuses these."""
     p.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
-    p.add_argument("--model", default=None, help="model name to send; default: first of GET /v1/models")
-    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer folder/name for exact prompt token counts")
-    p.add_argument("--dataset", "--dataset-name", choices=["random"], default="random")
+    p.add_argument("--dataset", "--dataset-name", choices=DATASETS, default="random",
+                   help="random tokens, a local ShareGPT JSON (--dataset-path), or shared prefixes")
+    p.add_argument("--dataset-path", default=None, help="sharegpt: ShareGPT-format JSON file")
+    p.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="sharegpt: fixed output length (default: each reply's length)")
+    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256, help="tokens of each shared prefix")
+    p.add_argument("--prefix-repetition-suffix-len", type=int, default=256, help="tokens after the prefix")
+    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10, help="distinct prefixes")
+    p.add_argument("--prefix-repetition-output-len", type=int, default=128, help="max_tokens of each prompt")
     p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument("--random-output-len", type=int, default=128)
     p.add_argument("--random-prefix-len", type=int, default=0, help="tokens of a prefix shared by all prompts")
     p.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len*(1±r)")
     p.add_argument("--vocab-size", type=int, default=32000, help="token-id prompts draw ids below this")
     p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 is Poisson")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
     p.add_argument("--seed", type=int, default=0)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__.splitlines()[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
+    p.add_argument("--model", default=None, help="model name to send; default: first of GET /v1/models")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    add_workload_args(p)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
     p.add_argument("--goodput", nargs="+", type=_parse_slo, default=[], metavar="METRIC:MS",
                    help="SLOs for goodput: ttft, tpot, itl (every gap), e2el")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="same as --goodput ttft:MS")

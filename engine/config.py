@@ -87,6 +87,9 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class CompilationConfig:
     enforce_eager: bool = False
+    compile_ahead: bool = field(default=True, metadata={"help": (
+        "compile every Triton kernel variant an eager step can need at start-up (engine/warmup.py), "
+        "so none compiles while serving")})
     cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 

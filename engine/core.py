@@ -17,6 +17,7 @@ from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.worker import (Workers, broadcast_step, data_parallel_device, init_data_parallel, init_distributed,
                            leave_distributed, local_device)
+from tandem.kernels.compile_watch import WATCH
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, dp_rank: int = 0):
         config.parallel.validate(config.kv_transfer.enabled)
+        WATCH.install()  # before the model runner compiles anything (kernels/compile_watch.py)
         self.async_scheduling = config.scheduler.async_scheduling is not False  # None: on
         self.config = config
         self.dp_rank, self.dp_size = dp_rank, config.parallel.data_parallel_size
@@ -78,6 +80,7 @@ class EngineCore:
         logger.info("engine ready: %s, max_model_len=%d, %d KV blocks, async scheduling %s",
                     type(self.runner.model).__name__, self.max_model_len, self.blocks.num_blocks,
                     "on" if self.async_scheduling else "off")
+        WATCH.mark_ready()
 
     def set_connector(self, connector) -> None:
         """Attach a KV connector's scheduler side (PD disaggregation)."""
@@ -226,7 +229,9 @@ class EngineCore:
         return self._inflight is not None or self._has_local_work()
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        stats.num_kernel_compilations_after_ready = WATCH.after_ready
+        return stats
 
     def shutdown(self) -> None:
         self.scheduler.abort_requests(list(self.scheduler.requests))

@@ -81,6 +81,9 @@ class ModelRunner:
         self.model.eval()
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
+        if self.device.type == "cuda" and triton_available() and config.compilation.compile_ahead:
+            from tandem.engine.warmup import compile_ahead
+            compile_ahead(self, self._graph_sizes())
         self.graphs = self._capture_graphs()
 
     # ---- KV cache ------------------------------------------------------------------------
@@ -168,16 +171,24 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s on %s)", self.num_blocks, self.block_size,
                     self.kv_cache.numel() * self.dtype.itemsize / 2**30, self.dtype, self.device)
 
-    def _capture_graphs(self) -> DecodeGraphs | None:
+    def _graph_sizes(self) -> tuple[int, ...]:
+        """Decode batch sizes that get a CUDA graph; () when graphs are off."""
         comp = self.config.compilation
         if self.device.type != "cuda" or comp.enforce_eager or not triton_available():
-            return None
+            return ()
         ep = expert_parallel()
         if ep is not None and not ep.graph_safe:
-            logger.info("CUDA graphs are off: the %s all2all backend syncs with the host", ep.backend)
-            return None
+            return ()
         limit = self.config.scheduler.max_num_seqs
-        sizes = [s for s in comp.cuda_graph_sizes if s <= limit] or [limit]
+        return tuple([s for s in comp.cuda_graph_sizes if s <= limit] or [limit])
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        sizes = self._graph_sizes()
+        if not sizes:
+            ep = expert_parallel()
+            if self.device.type == "cuda" and ep is not None and not ep.graph_safe:
+                logger.info("CUDA graphs are off: the %s all2all backend syncs with the host", ep.backend)
+            return None
         return DecodeGraphs(self.model, sizes, -(-self.max_model_len // self.block_size), self.max_model_len,
                             self.device)
 

@@ -54,3 +54,4 @@ class SchedulerStats(msgspec.Struct):
     kv_cache_usage: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_kernel_compilations_after_ready: int = 0  # Triton JIT variants first met while serving (rank 0)

@@ -30,6 +30,11 @@ class ServerMetrics:
         self._finished = Counter("tandem:request_success", "Engine requests finished, by finish reason",
                                  labels + ["finished_reason"], registry=r)
         self._model_name = model_name
+        # Kernels compiled while serving: each one stalled a request (kernels/compile_watch.py).
+        self.kernel_compilations = Counter("tandem:kernel_compilations_after_ready",
+                                           "Triton kernel variants compiled after the server was ready",
+                                           labels, registry=r).labels(model_name)
+        self._kernel_compilations_seen = 0
         self._gauges = {
             name: Gauge(f"tandem:{name}", doc, labels, registry=r).labels(model_name)
             for name, doc in [
@@ -73,6 +78,10 @@ class ServerMetrics:
         g["num_remote_prefills"].set(stats.num_remote_prefills_total)
         g["prefix_cache_queries"].set(stats.prefix_cache_queries)
         g["prefix_cache_hits"].set(stats.prefix_cache_hits)
+        new = stats.num_kernel_compilations_after_ready - self._kernel_compilations_seen
+        if new > 0:
+            self.kernel_compilations.inc(new)
+            self._kernel_compilations_seen += new
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

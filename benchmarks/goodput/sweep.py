@@ -1,0 +1,130 @@
+"""One goodput sweep: for each topology, start its tree, run benchmarks.serve at each rate (and the
+bisection's midpoints), stop it, and collect per-rate SLO attainment and the goodput.
+
+Files under out_dir: goodput.json (the report, rewritten after each topology), and per topology
+<name>/rate-<R>.json (benchmarks.serve's full result: summary and every request) and
+<name>/logs/ (each process's log; one folder per rate with a fresh server per rate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from benchmarks.goodput.deployment import Deployment, LaunchOptions
+from benchmarks.goodput.slo import SLO, attainment, goodput_of, search_goodput
+from benchmarks.goodput.topology import Topology
+from benchmarks.serve import BenchmarkConfig, BenchmarkResult, run_benchmark, save_result
+
+logger = logging.getLogger(__name__)
+
+REPORT_NAME = "goodput.json"
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    rates: tuple[float, ...]
+    slo: SLO
+    target: float = 0.9  # attainment (0..1) a rate must reach to count toward goodput
+    definition: str = "vllm"  # which attainment drives the goodput search: vllm (TPOT) or strict (every ITL)
+    bisect_steps: int = 2
+    min_rate_step: float = 0.25  # stop bisecting below this bracket half-width (req/s)
+    fresh_server_per_rate: bool = False  # start the tree anew for every rate
+    warmup_prompts: int = 0  # requests sent (all at once, not measured) after each start
+
+
+def point_row(rate: float, result: BenchmarkResult, slo: SLO, result_file: str, bisection: bool) -> dict[str, Any]:
+    """One rate's line of the report: both attainments, recomputed from the per-request records."""
+    s = result.summary
+    keys = ("completed", "failed", "request_throughput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms",
+            "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "p99_itl_ms")
+    return {"rate": rate, "attainment": attainment(result.records, slo, "vllm"),
+            "attainment_strict": attainment(result.records, slo, "strict"),
+            **{k: s.get(k) for k in keys}, "result_file": result_file, "bisection": bisection}
+
+
+async def _warm_up(workload: BenchmarkConfig, url: str, n: int) -> None:
+    await run_benchmark(dataclasses.replace(workload, base_url=url, num_prompts=n, request_rate=math.inf,
+                                            seed=workload.seed + 1, disable_tqdm=True))
+
+
+def run_topology(topology: Topology, workload: BenchmarkConfig, sweep: SweepConfig, launch: LaunchOptions,
+                 out_dir: Path) -> dict[str, Any]:
+    """Sweep one topology; returns its part of the report."""
+    topo_dir = out_dir / topology.name
+    rows: dict[float, dict] = {}
+    bar = tqdm(total=len(set(sweep.rates)) + sweep.bisect_steps, desc=topology.name, unit="rate", position=0)
+    with contextlib.ExitStack() as shared:
+        shared_url = None
+        if not sweep.fresh_server_per_rate:
+            bar.set_postfix_str("starting")
+            shared_url = shared.enter_context(Deployment(topology, launch, topo_dir / "logs"))
+            if sweep.warmup_prompts:
+                asyncio.run(_warm_up(workload, shared_url, sweep.warmup_prompts))
+
+        def measure(rate: float) -> float:
+            with contextlib.ExitStack() as fresh:
+                url = shared_url
+                if url is None:
+                    bar.set_postfix_str(f"starting for rate {rate:g}")
+                    url = fresh.enter_context(Deployment(topology, launch, topo_dir / "logs" / f"rate-{rate:g}"))
+                    if sweep.warmup_prompts:
+                        asyncio.run(_warm_up(workload, url, sweep.warmup_prompts))
+                bar.set_postfix_str(f"rate {rate:g}")
+                config = dataclasses.replace(workload, base_url=url, request_rate=rate,
+                                             slos_ms=sweep.slo.metrics(sweep.definition))
+                result = asyncio.run(run_benchmark(config))
+            path = save_result(result, topo_dir, f"rate-{rate:g}.json")
+            row = point_row(rate, result, sweep.slo, str(path.relative_to(out_dir)), bisection=rate not in sweep.rates)
+            rows[rate] = row
+            bar.update(1)
+            bar.set_postfix_str(f"rate {rate:g}: attainment {100 * row['attainment']:.1f}% "
+                                f"(strict {100 * row['attainment_strict']:.1f}%)")
+            key = "attainment" if sweep.definition == "vllm" else "attainment_strict"
+            return row[key]
+
+        goodput, _ = search_goodput(measure, sweep.rates, sweep.target, sweep.bisect_steps, sweep.min_rate_step)
+    bar.close()
+    other = "attainment_strict" if sweep.definition == "vllm" else "attainment"
+    return {"name": topology.name, "topology": dataclasses.asdict(topology),
+            "points": [rows[r] for r in sorted(rows)], "goodput": goodput.to_json(),
+            f"goodput_{'strict' if sweep.definition == 'vllm' else 'vllm'}":
+                goodput_of({r: row[other] for r, row in rows.items()}, sweep.target).to_json()}
+
+
+def run_sweep(topologies: list[Topology], workload: BenchmarkConfig, sweep: SweepConfig, launch: LaunchOptions,
+              out_dir: Path) -> dict[str, Any]:
+    """Every topology in turn; goodput.json is written after each one, so a later failure keeps
+    the finished ones. Returns the report."""
+    names = [t.name for t in topologies]
+    if len(set(names)) != len(names):
+        raise ValueError(f"topology names must differ (they name folders): {names}; set name=...")
+    workload_json = dataclasses.asdict(workload)
+    for k in ("base_url", "request_rate", "slos_ms"):
+        workload_json.pop(k)
+    report: dict[str, Any] = {
+        "date": datetime.now().isoformat(timespec="seconds"), "argv": sys.argv,
+        "workload": workload_json, "server_args": list(launch.server_args), "gpus": list(launch.gpus),
+        "slo": {"ttft_ms": sweep.slo.ttft_ms, "tpot_ms": sweep.slo.tpot_ms}, "target": sweep.target,
+        "definition": sweep.definition, "fresh_server_per_rate": sweep.fresh_server_per_rate,
+        "warmup_prompts": sweep.warmup_prompts, "topologies": []}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for topology in topologies:
+        report["topologies"].append(run_topology(topology, workload, sweep, launch, out_dir))
+        (out_dir / REPORT_NAME).write_text(json.dumps(report, indent=2))
+        g = report["topologies"][-1]["goodput"]
+        logger.info("%s: goodput %.3g req/s%s (target %.0f%%, %s)", topology.name, g["rate"],
+                    " or more (every rate met the target)" if g["lower_bound"] else "", 100 * sweep.target,
+                    sweep.definition)
+    return report
