@@ -136,13 +136,22 @@ def _worker_main(config: EngineConfig, rank: int, max_model_len: int, stopped) -
     hf_config = load_hf_config(config.model.model)
     group = init_distributed(config, rank)
     runner = ModelRunner(config, hf_config, max_model_len, device=local_device(config, rank))
+    if config.kv_transfer.enabled:
+        from tandem.connectors import build_connector
+        _, runner.kv_worker = build_connector(config, runner, hf_config, group)
+    from tandem.engine.model_runner import StepInputs
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=group)
         if box[0] is None:
             break
+        if not isinstance(box[0], StepInputs):  # a step of KV transfers only
+            runner.kv_worker.start(box[0])
+            continue
         box[0].receive_ids(runner.device)
         runner.forward_logits(box[0])
+    if runner.kv_worker is not None:
+        runner.kv_worker.close()
     runner.close()
     leave_distributed()
     # Stay until rank 0 has left too: NCCL's abort can hang on a peer process that is gone.
