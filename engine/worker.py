@@ -36,8 +36,13 @@ def _on_cpu(config: EngineConfig) -> bool:
 
 
 def local_device(config: EngineConfig, rank: int) -> str:
-    """The device of tensor-parallel rank `rank` (GPUs numbered from 0 on each node)."""
-    return "cpu" if _on_cpu(config) else f"cuda:{rank - ranks_on_node(config).start}"
+    """The device of tensor-parallel rank `rank`: GPUs in order on each node, from the one
+    --device cuda:N names (0 by default; several instances share a node that way, e.g. disagg)."""
+    if _on_cpu(config):
+        return "cpu"
+    dev = config.model.device
+    first = int(dev.split(":", 1)[1]) if dev.startswith("cuda:") else 0
+    return f"cuda:{first + rank - ranks_on_node(config).start}"
 
 
 def max_tokens_per_step(config: EngineConfig) -> int:
