@@ -1,17 +1,48 @@
 """Moving KV cache between instances (PD disaggregation): the connector and its transports."""
-from tandem.engine.config import KVTransferConfig
+from tandem.engine.config import EngineConfig
 
 CONNECTORS = ("TandemConnector",)
 
 
-def build_connector(config: KVTransferConfig, runner):
-    """The KV connector for an engine's model runner, per --kv-transfer-config."""
-    if config.kv_connector not in CONNECTORS:
-        raise ValueError(f"unknown kv_connector {config.kv_connector!r}; expected one of {', '.join(CONNECTORS)}")
-    from tandem.connectors.connector import TandemConnector
-    from tandem.connectors.protocol import KVLayout
+def build_connector(config: EngineConfig, runner, hf_config, group=None):
+    """The KV connector of one rank, per --kv-transfer-config: (scheduler side on rank 0 else
+    None, this rank's worker side). Every rank of the instance calls this at the same point:
+    the ranks exchange their data addresses over `group` (torch.distributed, TP > 1)."""
+    kv = config.kv_transfer
+    if kv.kv_connector not in CONNECTORS:
+        raise ValueError(f"unknown kv_connector {kv.kv_connector!r}; expected one of {', '.join(CONNECTORS)}")
+    import uuid
 
+    import torch.distributed as dist
+
+    from tandem.connectors.connector import TandemConnector
+    from tandem.connectors.layout import KVLayout
+    from tandem.connectors.worker import KVConnectorWorker
+    from tandem.engine.parallel import tp_rank, tp_size
+
+    extra = kv.kv_connector_extra_config
     cache = runner.kv_cache
-    layout = KVLayout(num_layers=cache.shape[1], block_size=cache.shape[3], num_kv_heads=cache.shape[4],
-                      head_dim=cache.shape[5], dtype=str(cache.dtype).removeprefix("torch."))
-    return TandemConnector(config, cache, layout)
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    layout = KVLayout(num_layers=cache.shape[1], block_size=cache.shape[3], num_kv_heads=num_kv_heads,
+                      head_dim=cache.shape[5], dtype=str(cache.dtype).removeprefix("torch."), tp_size=tp_size())
+    if layout.heads_per_rank != cache.shape[4]:
+        raise ValueError(f"KV cache has {cache.shape[4]} heads per rank, the layout says {layout.heads_per_rank}")
+    rank, transport = tp_rank(), extra.get("transport", "tcp")
+    scheduler_side = None
+    if rank == 0:
+        if not extra.get("engine_id"):
+            extra = {**extra, "engine_id": uuid.uuid4().hex[:12]}
+            kv = type(kv)(kv.kv_connector, kv.kv_role, extra)
+        scheduler_side = TandemConnector(kv, layout, transport)
+    worker = KVConnectorWorker(extra.get("engine_id", "?"), rank, cache, layout, transport,
+                               extra.get("kv_host", "127.0.0.1"), float(extra.get("transfer_timeout_s", 30.0)))
+    mine = [worker.address, scheduler_side.address if scheduler_side else None]
+    if tp_size() > 1:
+        everyone = [None] * tp_size()
+        dist.all_gather_object(everyone, mine, group=group)
+    else:
+        everyone = [mine]
+    worker.notify = everyone[0][1]
+    if scheduler_side is not None:
+        scheduler_side.rank_addresses = [addr for addr, _ in everyone]
+    return scheduler_side, worker

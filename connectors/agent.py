@@ -1,24 +1,25 @@
-"""The KV agent of one instance: a ZMQ server thread answering peers (handshake, block
-reads, block writes, notifications) and a client thread doing this instance's own
-transfers in order, with one cached session (DEALER socket + checked layout) per peer.
+"""A KV agent: a ZMQ server thread answering peers and a client thread doing this side's own
+sends, requests and handshakes in order, with one cached DEALER socket per peer.
 
-Both threads touch the KV cache only in blocks that the scheduler has handed to a
-transfer (held after finish on the prefill side, WAITING_FOR_REMOTE_KVS on the decode
-side), so they never race the model.
+The scheduler side runs one (control: handshakes, block ids, notifications) and every rank
+runs one (data: block reads and writes). Sockets are used by their owning thread only.
+A peer can be watched: its connection failing (refused, or dropped because the process died)
+calls back at once instead of waiting for a timeout.
 """
 import logging
 import queue
 import threading
 from typing import Callable
 
-import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from tandem.connectors.protocol import (BlocksData, Handshake, HandshakeReply, KVLayout, ReadBlocks, WriteBlocks, decoder,
-                                 encoder)
-from tandem.connectors.staging import gather_blocks, scatter_blocks
+from tandem.connectors.protocol import Hello, HelloReply, decoder, encoder
 
 logger = logging.getLogger(__name__)
+
+Handler = Callable[[object, memoryview | None], "tuple[object, bytes | None] | None"]
+_DEAD_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
 class TransferError(Exception):
@@ -26,13 +27,10 @@ class TransferError(Exception):
 
 
 class KVAgent:
-    def __init__(self, engine_id: str, kv_cache: torch.Tensor, layout: KVLayout, host: str, port: int,
-                 timeout_s: float, on_message: Callable[[object], None]):
-        """on_message receives FreeBlocks / DecodeBlocks / TransferDone from peers (server thread)."""
-        self.engine_id, self.kv_cache, self.layout = engine_id, kv_cache, layout
-        self.transport = None  # set by the connector before any transfer
+    def __init__(self, name: str, host: str, port: int, timeout_s: float, handle: Handler):
+        """handle(msg, payload) runs on the server thread; what it returns is sent back."""
+        self.name, self.handle = name, handle
         self.timeout_ms = int(timeout_s * 1000)
-        self.on_message = on_message
         self.ctx = zmq.Context()
         self.server = self.ctx.socket(zmq.ROUTER)
         self.server.setsockopt(zmq.LINGER, 0)
@@ -42,14 +40,16 @@ class KVAgent:
             port = self.server.bind_to_random_port(f"tcp://{host}")
         self.address = f"{host}:{port}"
         self.jobs: queue.Queue = queue.Queue()
-        self.sessions: dict[str, zmq.Socket] = {}
+        self.sockets: dict[str, zmq.Socket] = {}
+        self.hellos: dict[str, HelloReply] = {}
+        self.watches: dict[str, tuple[zmq.Socket, Callable[[str], None]]] = {}
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._serve, name="kv-agent-server", daemon=True),
-                         threading.Thread(target=self._work, name="kv-agent-client", daemon=True)]
+        self._threads = [threading.Thread(target=self._serve, name=f"{name}-server", daemon=True),
+                         threading.Thread(target=self._work, name=f"{name}-client", daemon=True)]
         for t in self._threads:
             t.start()
 
-    # ---- server side: requests from peers ----------------------------------------------
+    # ---- server thread ------------------------------------------------------------------
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -59,108 +59,114 @@ class KVAgent:
                 continue
             ident, header, *payload = self.server.recv_multipart(copy=False)
             try:
-                self._handle(ident.bytes, decoder.decode(header.buffer), payload)
+                answer = self.handle(decoder.decode(header.buffer), payload[0].buffer if payload else None)
             except Exception:  # a bad peer message must not kill the agent
-                logger.exception("KV agent: failed to handle a message from a peer")
+                logger.exception("%s: failed to handle a message from a peer", self.name)
+                continue
+            if answer is not None:
+                reply, data = answer
+                self.server.send_multipart([ident, encoder.encode(reply)] + ([data] if data is not None else []),
+                                           copy=False)
 
-    def _reply(self, ident: bytes, msg, payload: bytes | None = None) -> None:
-        frames = [ident, encoder.encode(msg)] + ([payload] if payload is not None else [])
-        self.server.send_multipart(frames, copy=False)
-
-    def _handle(self, ident: bytes, msg, payload) -> None:
-        if isinstance(msg, Handshake):
-            error = self.layout.mismatch(msg.layout)
-            if msg.transport != self.transport.name:
-                error = f"KV transports differ ({msg.transport} vs {self.transport.name})"
-            if error:
-                logger.error("refused KV handshake from %s: %s", msg.engine_id, error)
-            self._reply(ident, HandshakeReply(self.engine_id, self.layout, error, self.transport.name,
-                                              b"" if error else self.transport.local_info()))
-        elif isinstance(msg, ReadBlocks):
-            try:
-                data = gather_blocks(self.kv_cache, msg.block_ids)
-            except (IndexError, RuntimeError) as e:
-                self._reply(ident, BlocksData(msg.request_id, error=f"bad block ids: {e}"))
-                return
-            self._reply(ident, BlocksData(msg.request_id), data)
-        elif isinstance(msg, WriteBlocks):
-            self.on_message(msg, payload[0].buffer)
-        else:
-            self.on_message(msg, None)
-
-    # ---- client side: this instance's transfers, in order ------------------------------
+    # ---- client thread ------------------------------------------------------------------
 
     def submit(self, fn: Callable[[], None]) -> None:
-        """Run fn on the client thread (it may call read_blocks / send)."""
+        """Run fn on the client thread (the only one that may call the methods below)."""
         self.jobs.put(fn)
 
     def _work(self) -> None:
         while not self._stop.is_set():
             try:
-                fn = self.jobs.get(timeout=0.1)
+                fn = self.jobs.get(timeout=0.05)
             except queue.Empty:
-                continue
-            try:
-                fn()
-            except Exception:
-                logger.exception("KV agent: transfer job failed")
+                fn = None
+            if fn is not None:
+                try:
+                    fn()
+                except Exception:
+                    logger.exception("%s: job failed", self.name)
+            self._check_watches()
 
-    def session(self, peer: str) -> zmq.Socket:
-        """A DEALER socket to peer whose layout has been checked (handshake once, cached)."""
-        sock = self.sessions.get(peer)
-        if sock is not None:
-            return sock
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://{peer}")
-        sock.send_multipart([encoder.encode(Handshake(self.engine_id, self.layout, self.transport.name))])
-        try:
-            reply = self._recv(sock, peer)
-        except TransferError:
-            sock.close()
-            raise
-        if reply.error:
-            sock.close()
-            raise TransferError(f"KV handshake with {reply.engine_id} at {peer} refused: {reply.error}")
-        try:
-            self.transport.attach(peer, reply.transport_info)
-        except Exception as e:
-            sock.close()
-            raise TransferError(f"cannot attach to the KV cache of {reply.engine_id} at {peer}: {e}") from e
-        self.sessions[peer] = sock
-        logger.info("KV session with %s at %s", reply.engine_id, peer)
+    def socket(self, peer: str) -> zmq.Socket:
+        sock = self.sockets.get(peer)
+        if sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            self.sockets[peer] = sock
+            sock.connect(f"tcp://{peer}")
         return sock
 
-    def _recv(self, sock: zmq.Socket, peer: str):
+    def hello(self, peer: str, msg: Hello) -> tuple[HelloReply, bool]:
+        """Handshake with peer once (cached): (its reply, whether it is new). Raises TransferError
+        when the peer does not answer or refuses."""
+        if peer in self.hellos:
+            return self.hellos[peer], False
+        reply, _ = self.request(peer, msg)
+        if reply.error:
+            raise TransferError(f"KV handshake with {reply.engine_id} at {peer} refused: {reply.error}")
+        self.hellos[peer] = reply
+        return reply, True
+
+    def request(self, peer: str, msg) -> tuple[object, memoryview | None]:
+        """Send msg and wait for the answer: (reply, payload or None)."""
+        sock = self.socket(peer)
+        sock.send_multipart([encoder.encode(msg)])
         if not sock.poll(self.timeout_ms):
-            # The socket may hold a late reply; drop it so the next session starts clean.
-            self.sessions.pop(peer, None)
-            sock.close()
+            self.forget(peer)  # the socket may hold a late reply; start the next session clean
             raise TransferError(f"no answer from the KV agent at {peer} within {self.timeout_ms / 1000:.1f} s")
         frames = sock.recv_multipart(copy=False)
-        msg = decoder.decode(frames[0].buffer)
-        return (msg, frames[1].buffer) if len(frames) > 1 else msg
+        return decoder.decode(frames[0].buffer), (frames[1].buffer if len(frames) > 1 else None)
 
-    def read_blocks(self, peer: str, request_id: str, remote_blocks: list[int], local_blocks: list[int]) -> None:
-        """Read mode pull: copy peer's remote_blocks into our local_blocks (client thread only)."""
-        sock = self.session(peer)
-        sock.send_multipart([encoder.encode(ReadBlocks(request_id, remote_blocks))])
-        reply = self._recv(sock, peer)
-        if not isinstance(reply, tuple):
-            raise TransferError(f"KV read of {request_id} from {peer} failed: {reply.error}")
-        scatter_blocks(self.kv_cache, local_blocks, reply[1])
+    def send(self, peer: str, msg, payload=None) -> None:
+        """Fire and forget (ZMQ keeps order per peer)."""
+        self.socket(peer).send_multipart([encoder.encode(msg)] + ([payload] if payload is not None else []),
+                                         copy=False)
 
-    def send(self, peer: str, msg, payload: bytes | None = None) -> None:
-        """Fire-and-forget message to peer (client thread only)."""
-        sock = self.session(peer)
-        sock.send_multipart([encoder.encode(msg)] + ([payload] if payload is not None else []), copy=False)
+    def forget(self, peer: str) -> None:
+        self.hellos.pop(peer, None)
+        sock = self.sockets.pop(peer, None)
+        if sock is not None:
+            sock.close()
+
+    def watch(self, peer: str, on_dead: Callable[[str], None]) -> None:
+        """Call on_dead(peer) (client thread) once the connection to peer fails: refused, or
+        dropped because the peer process died."""
+        if peer in self.watches:
+            self.watches[peer] = (self.watches[peer][0], on_dead)
+            return
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | _DEAD_EVENTS)
+        sock.connect(f"tcp://{peer}")
+        self.watches[peer] = (monitor, on_dead)
+        self.sockets.setdefault(f"watch:{peer}", sock)
+
+    def unwatch(self, peer: str) -> None:
+        entry = self.watches.pop(peer, None)
+        if entry is not None:
+            entry[0].close()
+            sock = self.sockets.pop(f"watch:{peer}", None)
+            if sock is not None:
+                sock.close()
+
+    def _check_watches(self) -> None:
+        for peer, (monitor, on_dead) in list(self.watches.items()):
+            while monitor.poll(0):
+                event = recv_monitor_message(monitor)["event"]
+                if event & _DEAD_EVENTS:
+                    logger.warning("%s: the KV peer at %s is gone", self.name, peer)
+                    self.unwatch(peer)
+                    self.forget(peer)
+                    on_dead(peer)
+                    break
 
     def close(self) -> None:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=2)
-        for sock in self.sessions.values():
+        for peer in list(self.watches):
+            self.unwatch(peer)
+        for sock in self.sockets.values():
             sock.close()
         self.server.close()
         self.ctx.term()
-

@@ -1,25 +1,26 @@
-"""TandemConnector: moves prompt KV between a prefill and a decode instance.
+"""TandemConnector: the KV connector's scheduler side (engine core process).
 
-Read mode (decode pulls): prefill finishes the prompt, holds its blocks and returns
-their ids; decode allocates blocks, reads them, tells prefill to free.
-Write mode (prefill pushes): decode allocates blocks and tells prefill where they
-are; prefill waits for that, then writes each layer's KV right after computing it
-and signals completion.
+It decides every transfer and holds its state (connectors/transfer.py); the ranks' worker sides
+(connectors/worker.py) only do what each step's KVStepMeta lists and report back.
 
-The scheduler talks to it at fixed points (engine/scheduler.py SchedulerConnector);
-the KV agent's threads do the transfers. Shared state is guarded by one lock.
+Read mode (decode pulls): prefill finishes the prompt and holds its blocks (HELD); decode
+shakes hands with prefill (rank -> KV-head maps), its ranks read the heads they need from the
+prefill ranks holding them, and decode tells prefill to free. Prefill frees at once when the
+decode that was to read is gone (its connection fails), else after hold_timeout_s.
+Write mode (prefill pushes): decode shakes hands and sends its block ids and layout; prefill
+starts the prompt once it has them, and its ranks push each layer's heads to the decode ranks
+right after computing it; each rank pair reports when its data has landed.
 """
 import logging
 import threading
-import time
 import uuid
 
-import torch
-
 from tandem.connectors.agent import KVAgent, TransferError
-from tandem.connectors.protocol import DecodeBlocks, FreeBlocks, KVLayout, TransferDone, WriteBlocks
-from tandem.connectors.staging import scatter_blocks
-from tandem.connectors.transport import make_transport
+from tandem.connectors.layout import KVLayout, plan_pairs
+from tandem.connectors.params import KVTransferParams
+from tandem.connectors.protocol import (AbortTransfer, DecodeBlocks, FinishOp, FreeBlocks, Hello, HelloReply,
+                                        KVStepMeta, PushOp, RankDone, ReadOp, TransferDone)
+from tandem.connectors.transfer import Transfer, TransferState as S, TransferTable
 from tandem.engine.config import KVTransferConfig
 from tandem.engine.request import Request, RequestStatus
 
@@ -33,252 +34,281 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class TandemConnector:
-    def __init__(self, config: KVTransferConfig, kv_cache: torch.Tensor, layout: KVLayout):
+    def __init__(self, config: KVTransferConfig, layout: KVLayout, transport: str = "tcp"):
         if config.kv_role not in (PRODUCER, CONSUMER, BOTH):
             raise ValueError(f"kv_role must be one of {PRODUCER}, {CONSUMER}, {BOTH}; got {config.kv_role!r}")
         extra = config.kv_connector_extra_config
-        self.role = config.kv_role
+        self.role, self.layout, self.transport = config.kv_role, layout, transport
         self.block_size = layout.block_size
         self.transfer_timeout_s = float(extra.get("transfer_timeout_s", 30.0))
         self.hold_timeout_s = float(extra.get("hold_timeout_s", 60.0))
         self.recompute_on_failure = bool(extra.get("recompute_on_failure", False))
         self.engine_id = extra.get("engine_id") or uuid.uuid4().hex[:12]
-        self.kv_cache = kv_cache
-        self.agent = KVAgent(self.engine_id, kv_cache, layout, extra.get("kv_host", "127.0.0.1"),
+        self.agent = KVAgent(f"kv-control-{self.engine_id}", extra.get("kv_host", "127.0.0.1"),
                              int(extra.get("handshake_port", 0)), self.transfer_timeout_s, self._on_message)
-        self.transport = make_transport(extra.get("transport", "tcp"), kv_cache, self.agent)
-        self.agent.transport = self.transport
-        self.lock = threading.Lock()
-        self.landed: set[str] = set()
-        self.failed: dict[str, str] = {}
-        self.releasable: set[str] = set()
-        self.held: dict[str, float] = {}  # prefill, read mode: request id -> deadline to free
-        self.receiving: dict[str, tuple[str, float]] = {}  # decode: transfer/request id -> (request id, deadline)
-        self.reading: set[str] = set()  # decode, read mode: requests whose pull is in flight
-        self.cancelled: set[str] = set()  # decode, read mode: finished while their pull was in flight
-        self.targets: dict[str, DecodeBlocks] = {}  # prefill, write mode: transfer id -> decode's blocks
-        self.awaiting_targets: dict[str, float] = {}  # prefill, write mode: request id -> deadline
-        self.pushed_chunks: dict[str, int] = {}  # prefill, write mode: chunks pushed per request
-        logger.info("KV connector %s (%s) listening at %s", self.engine_id, self.role, self.agent.address)
+        self.rank_addresses: list[str] = []  # each rank's data agent, set once the ranks have met
+        self.lock = threading.Lock()  # guards table, inbox and the outboxes (engine + agent threads)
+        self.table = TransferTable()
+        self.inbox: dict[str, object] = {}  # prefill, write: DecodeBlocks / AbortTransfer before the request
+        self.finishes: list[FinishOp] = []
+        self.closed: list[str] = []
+        logger.info("KV connector %s (%s, TP %d) listening at %s", self.engine_id, self.role, layout.tp_size,
+                    self.agent.address)
 
     @property
     def address(self) -> str:
         return self.agent.address
 
-    # ---- messages from peers (agent server thread) -------------------------------------
+    def _hello(self) -> Hello:
+        return Hello(self.engine_id, self.layout, self.transport)
 
-    def _on_message(self, msg, payload) -> None:
+    # ---- messages (agent server thread) ---------------------------------------------------
+
+    def _on_message(self, msg, payload):
+        if isinstance(msg, Hello):
+            error = self.layout.mismatch(msg.layout)
+            if msg.transport != self.transport:
+                error = f"KV transports differ ({msg.transport} vs {self.transport})"
+            if error:
+                logger.error("refused KV handshake from %s: %s", msg.engine_id, error)
+            return HelloReply(self.engine_id, self.layout, error, self.transport, list(self.rank_addresses)), None
         with self.lock:
-            if isinstance(msg, FreeBlocks):
-                if self.held.pop(msg.request_id, None) is not None:
-                    self.releasable.add(msg.request_id)
-            elif isinstance(msg, DecodeBlocks):
-                self.targets[msg.transfer_id] = msg
-            elif isinstance(msg, WriteBlocks):
-                # Only while the request still owns its blocks (not aborted meanwhile).
-                if msg.transfer_id in self.receiving:
-                    scatter_blocks(self.kv_cache, msg.block_ids, payload, msg.layer)
+            if isinstance(msg, RankDone):
+                t = self.table.find(msg.request_id, msg.transfer_id)
+                if t is not None:
+                    self.table.pair_done(t, msg.pair, msg.error)
+                    self._after_end(t)
+            elif isinstance(msg, FreeBlocks):
+                t = self.table.get(msg.request_id)
+                if t is not None and t.state == S.HELD:
+                    self.table.move(t, S.DONE)
+            elif isinstance(msg, DecodeBlocks | AbortTransfer):
+                t = self.table.find(transfer_id=msg.transfer_id)
+                if t is None:
+                    self.inbox[msg.transfer_id] = msg
+                else:
+                    self._prefill_message(t, msg)
             elif isinstance(msg, TransferDone):
-                entry = self.receiving.pop(msg.transfer_id, None)
-                if entry is not None:
-                    if msg.error:
-                        self.failed[entry[0]] = f"KV transfer failed on the prefill instance: {msg.error}"
-                    else:
-                        self.landed.add(entry[0])
+                t = self.table.find(transfer_id=msg.transfer_id)
+                if t is not None:
+                    self.table.end(t, S.FAILED, f"KV transfer failed on the prefill instance: {msg.error}", quiet=True)
+        return None
 
-    # ---- scheduler side ----------------------------------------------------------------
-
-    @staticmethod
-    def _params(req: Request) -> dict:
-        return req.kv_transfer_params or {}
-
-    def num_remote_tokens(self, req: Request, num_local_computed: int) -> int:
-        p = self._params(req)
-        if not p.get("do_remote_prefill"):
-            return 0
-        n = max(0, req.num_prompt_tokens - 1 - num_local_computed)
-        if n == 0:
-            # Nothing to receive, but the prefill holds blocks (read) or waits to hear where to
-            # write (write): release it.
-            msg = (DecodeBlocks(p["transfer_id"], self.engine_id, []) if p.get("mode") == "write"
-                   else FreeBlocks(p["remote_request_id"]))
-            self.agent.submit(lambda: self._send_or_fail(self._peer_of(p), msg, req.request_id))
-        return n
-
-    def ready(self, req: Request) -> bool:
-        """Prefill, write mode: start only once decode has said where the KV goes."""
-        p = self._params(req)
-        if not (p.get("do_remote_decode") and p.get("mode") == "write"):
-            return True
-        with self.lock:
-            if p["transfer_id"] in self.targets:
-                self.awaiting_targets.pop(req.request_id, None)
-                return True
-            self.awaiting_targets.setdefault(req.request_id, time.monotonic() + self.transfer_timeout_s)
-            return False
-
-    def on_blocks_allocated(self, req: Request, num_remote_tokens: int) -> None:
-        p = self._params(req)
-        first = (req.remote_computed_tokens - num_remote_tokens) // self.block_size
-        last = _cdiv(req.remote_computed_tokens, self.block_size)
-        peer = f"{p['remote_host']}:{p['remote_port']}"
-        deadline = time.monotonic() + self.transfer_timeout_s
-        if p.get("mode") == "write":
-            targets = [-1] * first + req.block_ids[first:last]
-            with self.lock:
-                self.receiving[p["transfer_id"]] = (req.request_id, deadline)
-            msg = DecodeBlocks(p["transfer_id"], self.engine_id, targets)
-            self.agent.submit(lambda: self._send_or_fail(peer, msg, req.request_id))
+    def _prefill_message(self, t: Transfer, msg) -> None:
+        """Prefill, write mode: decode's block ids (or its abort) for transfer t (lock held)."""
+        if isinstance(msg, AbortTransfer):
+            self._end_push(t, S.ABORTED, "the decode request was aborted")
             return
-        remote, local = p["remote_block_ids"][first:last], req.block_ids[first:last]
-        with self.lock:
-            self.reading.add(req.request_id)
-        self.agent.submit(lambda: self._pull(peer, req.request_id, p["remote_request_id"], remote, local))
+        if t.state != S.WAITING_FOR_BLOCKS:
+            return
+        if not msg.block_ids:
+            self.table.move(t, S.DONE)
+            return
+        try:
+            t.pairs = plan_pairs(self.layout, msg.layout)
+        except ValueError as e:
+            self._end_push(t, S.FAILED, str(e))
+            return
+        t.peer_ranks, t.remote_blocks = list(msg.rank_addresses), list(msg.block_ids)
+        self.table.start_moving(t, t.pairs, self.transfer_timeout_s)
+        if t.peer:  # a decode that dies while we push: stop at once
+            self.agent.submit(lambda: self.agent.watch(t.peer, self._peer_gone))
 
-    def _send_or_fail(self, peer: str, msg, request_id: str) -> None:
+    def _end_push(self, t: Transfer, state: S, error: str) -> None:
+        """Prefill, write: stop t. Pushes may have started: the ranks end them and tell decode."""
+        if t.state.terminal:
+            return
+        if t.state == S.TRANSFERRING:
+            self.finishes.append(FinishOp(t.request_id, t.transfer_id, t.pairs, t.peer_ranks, error))
+            self.table.move(t, state, error)
+        else:
+            self.table.end(t, state, error, quiet=True)
+            peer, done = t.peer, TransferDone(t.transfer_id, error)
+            if peer:
+                self.agent.submit(lambda: self.agent.send(peer, done))
+
+    def _after_end(self, t: Transfer) -> None:
+        """Decode, read: once t's ranks are done (or it ended), tell prefill to free (lock held)."""
+        if t.side == "decode" and t.mode == "read" and t.settled and t.peer and not t.told_peer:
+            t.told_peer = True
+            peer, msg = t.peer, FreeBlocks(t.params.remote_request_id)
+            self.agent.submit(lambda: self._send_quietly(peer, msg))
+
+    def _send_quietly(self, peer: str, msg) -> None:
         try:
             self.agent.send(peer, msg)
         except TransferError as e:
-            with self.lock:
-                if self.receiving.pop(getattr(msg, "transfer_id", None), None) is not None:
-                    self.failed[request_id] = str(e)
+            logger.warning("could not tell %s %s: %s", peer, type(msg).__name__, e)
 
-    def _pull(self, peer: str, request_id: str, remote_request_id: str, remote: list[int], local: list[int]) -> None:
-        error = None
-        try:
-            self.agent.session(peer)
-            self.transport.read(peer, remote_request_id, remote, local)
-        except (TransferError, ValueError, RuntimeError) as e:
-            error = str(e)
-        try:
-            self.agent.send(peer, FreeBlocks(remote_request_id))
-        except TransferError as e:
-            logger.warning("could not tell %s to free %s: %s", peer, remote_request_id, e)
+    def _peer_gone(self, peer: str) -> None:
+        """The other instance at peer is gone (client thread): end its transfers now."""
         with self.lock:
-            self.reading.discard(request_id)
-            if request_id in self.cancelled:
-                self.cancelled.discard(request_id)
-                self.releasable.add(request_id)
-            elif error:
-                self.failed[request_id] = error
-            else:
-                self.landed.add(request_id)
+            for t in list(self.table.transfers.values()):
+                if t.peer == peer and not t.state.terminal:
+                    self.table.end(t, S.FAILED, f"the KV peer instance at {peer} is gone", quiet=True)
+
+    # ---- scheduler hooks (engine thread) ---------------------------------------------------
+
+    def num_remote_tokens(self, req: Request, num_local_computed: int) -> int:
+        p: KVTransferParams | None = req.kv_transfer_params
+        if p is None or not p.do_remote_prefill:
+            return 0
+        n = max(0, req.num_prompt_tokens - 1 - num_local_computed)
+        if n == 0:  # nothing to receive; release the prefill's blocks (read) or its wait (write)
+            msg = (DecodeBlocks(p.transfer_id, self.engine_id, []) if p.mode == "write"
+                   else FreeBlocks(p.remote_request_id))
+            self.agent.submit(lambda: self._send_quietly(p.peer, msg))
+        return n
+
+    def on_blocks_allocated(self, req: Request, num_remote_tokens: int) -> None:
+        """Decode: req owns blocks for the remote tokens; shake hands, then read or announce."""
+        p = req.kv_transfer_params
+        first = (req.remote_computed_tokens - num_remote_tokens) // self.block_size
+        last = _cdiv(req.remote_computed_tokens, self.block_size)
+        t = Transfer(req.request_id, "decode", p, S.HANDSHAKING, self.table.clock() + self.transfer_timeout_s,
+                     peer=p.peer)
+        if p.mode == "write":
+            t.local_blocks = [-1] * first + req.block_ids[first:last]
+        else:
+            t.local_blocks, t.remote_blocks = req.block_ids[first:last], p.remote_block_ids[first:last]
+        with self.lock:
+            self.table.add(t)
+        self.agent.submit(lambda: self._connect(t))
+
+    def _connect(self, t: Transfer) -> None:
+        """Decode (client thread): handshake with the prefill, map the rank layouts."""
+        try:
+            reply, _ = self.agent.hello(t.peer, self._hello())
+            pairs = plan_pairs(reply.layout, self.layout)
+        except (TransferError, ValueError) as e:
+            with self.lock:
+                self.table.end(t, S.FAILED, str(e), quiet=True)
+                self._after_end(t)
+            return
+        self.agent.watch(t.peer, self._peer_gone)
+        with self.lock:
+            if t.state != S.HANDSHAKING:
+                return
+            t.pairs, t.peer_ranks = pairs, list(reply.rank_addresses)
+            self.table.move(t, S.READY)
+            if t.mode == "write":
+                self.table.start_moving(t, pairs, self.transfer_timeout_s)
+                msg = DecodeBlocks(t.transfer_id, self.engine_id, t.local_blocks, self.layout, self.rank_addresses)
+        if t.mode == "write":
+            self.agent.send(t.peer, msg)
+
+    def ready(self, req: Request) -> bool:
+        """Prefill, write mode: start only once decode has said where the KV goes."""
+        p = req.kv_transfer_params
+        if p is None or not (p.do_remote_decode and p.mode == "write"):
+            return True
+        with self.lock:
+            t = self.table.get(req.request_id)
+            if t is None:
+                t = self.table.add(Transfer(req.request_id, "prefill", p, S.WAITING_FOR_BLOCKS,
+                                            self.table.clock() + self.transfer_timeout_s, peer=p.peer))
+                early = self.inbox.pop(p.transfer_id, None)
+                if early is not None:
+                    self._prefill_message(t, early)
+            return t.state in (S.TRANSFERRING, S.DONE)
+
+    def build_meta(self, scheduled: list[tuple[Request, int]]) -> KVStepMeta | None:
+        """What this step transfers, for every rank: reads whose handshake is done, pushes of
+        the scheduled prefill chunks, ended pushes, closed receives."""
+        meta = KVStepMeta(self.agent.address)
+        with self.lock:
+            for t in self.table.transfers.values():
+                if t.side == "decode" and t.mode == "read" and t.state == S.READY:
+                    self.table.start_moving(t, t.pairs, self.transfer_timeout_s)
+                    meta.reads.append(ReadOp(t.request_id, t.params.remote_request_id, t.remote_blocks,
+                                             t.local_blocks, t.pairs, t.peer_ranks))
+            for req, n in scheduled:
+                t = self.table.get(req.request_id)
+                if t is not None and t.side == "prefill" and t.state == S.TRANSFERRING:
+                    meta.pushes.append(self._push_op(t, req, n))
+            meta.finishes, self.finishes = self.finishes, []
+            meta.closed, self.closed = self.closed, []
+        return meta if meta else None
+
+    def _push_op(self, t: Transfer, req: Request, n: int) -> PushOp:
+        """This chunk's blocks (the first chunk also pushes blocks filled from the prefix cache)."""
+        end = min(req.num_computed_tokens + n, len(t.remote_blocks) * self.block_size, req.num_prompt_tokens - 1)
+        lo = 0 if t.pushed_chunks == 0 else req.num_computed_tokens // self.block_size
+        t.pushed_chunks += 1
+        idx = [i for i in range(lo, _cdiv(end, self.block_size)) if t.remote_blocks[i] >= 0]
+        final = req.num_computed_tokens + n >= req.num_prompt_tokens
+        return PushOp(t.request_id, t.transfer_id, [req.block_ids[i] for i in idx],
+                      [t.remote_blocks[i] for i in idx], t.pairs, t.peer_ranks, final)
 
     def poll(self) -> tuple[set[str], dict[str, str], set[str]]:
-        now = time.monotonic()
+        """(decode ids whose KV landed, {id: error} of transfers that failed for a waiting
+        request, ids whose blocks may be freed now)."""
+        landed, failed, releasable = set(), {}, set()
         with self.lock:
-            for rid, deadline in list(self.held.items()):
-                if now > deadline:
-                    logger.warning("freeing KV blocks of %s: no decode read them within %.0f s", rid,
-                                   self.hold_timeout_s)
-                    del self.held[rid]
-                    self.releasable.add(rid)
-            for tid, (rid, deadline) in list(self.receiving.items()):
-                if now > deadline:
-                    del self.receiving[tid]
-                    self.failed[rid] = f"KV transfer timed out after {self.transfer_timeout_s:.0f} s"
-            for rid, deadline in list(self.awaiting_targets.items()):
-                if now > deadline:
-                    del self.awaiting_targets[rid]
-                    self.failed[rid] = (f"the decode instance did not send its KV block ids within "
-                                        f"{self.transfer_timeout_s:.0f} s")
-            out = (self.landed, self.failed, self.releasable)
-            self.landed, self.failed, self.releasable = set(), {}, set()
-        return out
+            for t in self.table.expire():
+                logger.warning("KV transfer of %s: %s", t.request_id, t.error)
+            for t in list(self.table.transfers.values()):
+                self._after_end(t)
+                if not t.settled:
+                    continue
+                if t.request_done:
+                    releasable.add(t.request_id)
+                elif t.side == "decode":
+                    if t.state == S.DONE:
+                        landed.add(t.request_id)
+                    else:
+                        failed[t.request_id] = t.error or f"KV transfer {t.state.value}"
+                elif t.state == S.DONE:
+                    continue  # prefill write: pushes landed while the request still runs
+                else:
+                    failed[t.request_id] = t.error or f"KV transfer {t.state.value}"
+                self._remove(t)
+        return landed, failed, releasable
+
+    def _remove(self, t: Transfer) -> None:
+        self.table.remove(t)
+        if t.side == "decode" and t.mode == "write":
+            self.closed.append(t.transfer_id)
 
     def on_request_finished(self, req: Request) -> tuple[bool, dict | None]:
-        p = self._params(req)
-        ok = req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-        if p.get("do_remote_decode"):
-            return self._producer_finished(req, p, ok)
-        if p.get("do_remote_prefill"):
-            with self.lock:
-                self.receiving.pop(p.get("transfer_id", ""), None)
-                if req.request_id in self.reading:  # a pull is writing into these blocks right now
-                    self.cancelled.add(req.request_id)
-                    return True, None
-        return False, None
-
-    def _producer_finished(self, req: Request, p: dict, ok: bool) -> tuple[bool, dict | None]:
-        with self.lock:
-            self.awaiting_targets.pop(req.request_id, None)
-            self.pushed_chunks.pop(req.request_id, None)
-            target = self.targets.pop(p["transfer_id"], None) if p.get("mode") == "write" else None
-        if p.get("mode") == "write":
-            if target is None:
-                return False, None
-            # Pushes may still be reading our blocks (ipc): free them after a flush. A request that
-            # ended early also tells decode, so it fails now instead of at its timeout.
-            peer, tid, rid = self._peer_of(p), p["transfer_id"], req.request_id
-            error = None if ok else (req.error or "the prefill request was aborted")
-
-            def release() -> None:
-                try:
-                    self.transport.flush(peer)
-                    if error is not None:
-                        self.agent.send(peer, TransferDone(tid, error=error))
-                finally:
-                    with self.lock:
-                        self.releasable.add(rid)
-
-            self.agent.submit(release)
-            return True, {"transfer_id": tid} if ok else None
-        if not ok:
+        """(keep req's blocks until its transfer settles?, kv_transfer_params for the client)."""
+        p = req.kv_transfer_params
+        if p is None:
             return False, None
+        ok = req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
         with self.lock:
-            self.held[req.request_id] = time.monotonic() + self.hold_timeout_s
+            t = self.table.get(req.request_id)
+            if p.do_remote_decode and p.mode == "read":
+                return self._hold_for_read(req, p) if ok else (False, None)
+            if t is None:
+                return False, None
+            if t.side == "decode" and not t.state.terminal:
+                self.table.end(t, S.ABORTED, "the request finished")
+                if t.mode == "write" and t.peer:
+                    peer, msg = t.peer, AbortTransfer(t.transfer_id)
+                    self.agent.submit(lambda: self._send_quietly(peer, msg))
+                if t.state == S.ABORTED and not t.pending:
+                    self._after_end(t)
+            elif t.side == "prefill" and not ok:
+                self._end_push(t, S.ABORTED, req.error or "the prefill request was aborted")
+            t.request_done = True
+            hold = not t.settled
+            if not hold:
+                self._remove(t)
+        params = {"transfer_id": p.transfer_id} if (p.do_remote_decode and ok) else None
+        return hold, params
+
+    def _hold_for_read(self, req: Request, p: KVTransferParams) -> tuple[bool, dict]:
+        """Prefill, read mode: keep the blocks for the decode (lock held)."""
+        t = self.table.add(Transfer(req.request_id, "prefill", p, S.HELD, self.table.clock() + self.hold_timeout_s,
+                                    peer=p.peer, request_done=True))
+        if t.peer:  # the decode that will read: free at once if it goes away
+            self.agent.submit(lambda: self.agent.watch(t.peer, self._peer_gone))
         host, port = self.agent.address.rsplit(":", 1)
-        return True, {"do_remote_prefill": True, "remote_engine_id": self.engine_id,
-                      "remote_block_ids": list(req.block_ids), "remote_host": host, "remote_port": int(port),
-                      "remote_request_id": req.request_id}
-
-    @staticmethod
-    def _peer_of(p: dict) -> str:
-        return f"{p['remote_host']}:{p['remote_port']}"
-
-    # ---- worker side: layer-wise push (prefill, write mode) -----------------------------
-
-    def layer_hook(self, scheduled: list[tuple[Request, int]]):
-        """A callback for the model runner, or None when nothing in this batch is pushed."""
-        pushes = []
-        for req, n in scheduled:
-            p = self._params(req)
-            if not (p.get("do_remote_decode") and p.get("mode") == "write"):
-                continue
-            with self.lock:
-                target = self.targets.get(p["transfer_id"])
-                first_chunk = self.pushed_chunks.get(req.request_id, 0) == 0
-                self.pushed_chunks[req.request_id] = self.pushed_chunks.get(req.request_id, 0) + 1
-            end = min(req.num_computed_tokens + n, len(target.block_ids) * self.block_size,
-                      req.num_prompt_tokens - 1)
-            lo = 0 if first_chunk else req.num_computed_tokens // self.block_size
-            idx = [i for i in range(lo, _cdiv(end, self.block_size)) if target.block_ids[i] >= 0]
-            final = req.num_computed_tokens + n >= req.num_prompt_tokens
-            pushes.append((p, [req.block_ids[i] for i in idx], [target.block_ids[i] for i in idx], final))
-        if not pushes:
-            return None
-        num_layers = self.kv_cache.shape[1]
-
-        def on_layer_stored(layer: int) -> None:
-            for p, local, remote, final in pushes:
-                peer, tid = self._peer_of(p), p["transfer_id"]
-                if local:
-                    staged = self.transport.stage_layer(layer, local)
-                    self.agent.submit(lambda peer=peer, tid=tid, staged=staged, remote=remote:
-                                      self._push(peer, tid, layer, staged, remote))
-                if final and layer == num_layers - 1:
-                    self.agent.submit(lambda peer=peer, tid=tid: self._finish_push(peer, tid))
-
-        return on_layer_stored
-
-    def _push(self, peer: str, transfer_id: str, layer: int, staged, remote: list[int]) -> None:
-        self.agent.session(peer)  # handshake (and transport attach) on first use
-        self.transport.write_layer(peer, transfer_id, layer, staged, remote)
-
-    def _finish_push(self, peer: str, transfer_id: str) -> None:
-        self.transport.flush(peer)
-        self.agent.send(peer, TransferDone(transfer_id))
+        out = KVTransferParams(do_remote_prefill=True, remote_engine_id=self.engine_id,
+                               remote_block_ids=list(req.block_ids), remote_host=host, remote_port=int(port),
+                               remote_request_id=req.request_id)
+        return True, out.to_dict()
 
     def close(self) -> None:
         self.agent.close()
-        self.transport.close()

@@ -1,15 +1,17 @@
 """GPU peer copies between instances on one node (CUDA IPC on NVIDIA, HIP IPC on AMD).
 
-Each side exports its KV cache with an IPC memory handle at handshake; the peer opens
-it and moves blocks device to device over NVLink/XGMI (or PCIe). A transfer is a few
-batched ops regardless of the number of blocks: gather on the source, one peer copy,
-scatter on the destination. Both GPUs must be visible to both processes (select each
-instance's GPU with --device cuda:N, not CUDA_VISIBLE_DEVICES).
+Each rank exports its KV cache with an IPC memory handle at its data handshake; the peer rank
+opens it and moves the pair's heads of blocks device to device over NVLink/XGMI (or PCIe): one
+peer copy per rank pair and request (or layer), a few batched ops regardless of the number of
+blocks: gather on the source, one peer copy, scatter on the destination. Every GPU must be
+visible to every process (instances pick GPUs with --device cuda:N, not CUDA_VISIBLE_DEVICES).
 """
 import pickle
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from tandem.connectors.layout import RankPair
 
 
 class IpcTransport:
@@ -20,8 +22,7 @@ class IpcTransport:
             raise ValueError("the ipc KV transport needs the KV cache on a GPU; use 'tcp' on CPU")
         self.kv_cache = kv_cache
         self.peers: dict[str, torch.Tensor] = {}
-        dev = kv_cache.device
-        self.local_stream = torch.cuda.Stream(dev)
+        self.local_stream = torch.cuda.Stream(kv_cache.device)
         self.remote_streams: dict[str, torch.cuda.Stream] = {}
 
     def local_info(self) -> bytes:
@@ -35,33 +36,39 @@ class IpcTransport:
         self.peers[peer] = remote
         self.remote_streams[peer] = torch.cuda.Stream(remote.device)
 
-    def _index(self, blocks: list[int], device) -> torch.Tensor:
+    @staticmethod
+    def _index(blocks: list[int], device) -> torch.Tensor:
         return torch.tensor(blocks, dtype=torch.long, device=device)
 
-    def read(self, peer: str, request_id: str, remote_blocks: list[int], local_blocks: list[int]) -> None:
-        remote = self.peers[peer]
+    def read(self, peer: str, request_id: str, remote_blocks: list[int], local_blocks: list[int],
+             pair: RankPair) -> None:
+        remote, n = self.peers[peer], pair.num_heads
         with torch.cuda.device(remote.device), torch.cuda.stream(self.remote_streams[peer]):
-            data = remote[:, :, self._index(remote_blocks, remote.device)]
+            data = remote[:, :, self._index(remote_blocks, remote.device), :, pair.src_head:pair.src_head + n]
         with torch.cuda.device(self.kv_cache.device), torch.cuda.stream(self.local_stream):
             self.local_stream.wait_stream(self.remote_streams[peer])
-            self.kv_cache[:, :, self._index(local_blocks, self.kv_cache.device)] = data.to(self.kv_cache.device)
+            dst = self.kv_cache[:, :, :, :, pair.dst_head:pair.dst_head + n]
+            dst[:, :, self._index(local_blocks, self.kv_cache.device)] = data.to(self.kv_cache.device)
         self.local_stream.synchronize()
 
-    def stage_layer(self, layer: int, local_blocks: list[int]):
+    def stage_layer(self, layer: int, local_blocks: list[int], pair: RankPair):
         """Engine thread: an event after the layer's KV store, so the copy waits for it, not the model."""
         event = torch.cuda.Event()
         event.record()
         return event, layer, local_blocks
 
-    def write_layer(self, peer: str, transfer_id: str, layer: int, staged, remote_blocks: list[int]) -> None:
+    def write_layer(self, peer: str, transfer_id: str, layer: int, staged, remote_blocks: list[int],
+                    pair: RankPair) -> None:
         event, layer, local_blocks = staged
-        remote, stream = self.peers[peer], self.remote_streams[peer]
+        remote, stream, n = self.peers[peer], self.remote_streams[peer], pair.num_heads
         with torch.cuda.device(self.kv_cache.device), torch.cuda.stream(self.local_stream):
             self.local_stream.wait_event(event)
-            data = self.kv_cache[:, layer, self._index(local_blocks, self.kv_cache.device)]
+            data = self.kv_cache[:, layer, self._index(local_blocks, self.kv_cache.device), :,
+                                 pair.src_head:pair.src_head + n]
         with torch.cuda.device(remote.device), torch.cuda.stream(stream):
             stream.wait_stream(self.local_stream)
-            remote[:, layer, self._index(remote_blocks, remote.device)] = data.to(remote.device, non_blocking=True)
+            dst = remote[:, layer, :, :, pair.dst_head:pair.dst_head + n]
+            dst[:, self._index(remote_blocks, remote.device)] = data.to(remote.device, non_blocking=True)
 
     def flush(self, peer: str) -> None:
         self.remote_streams[peer].synchronize()

@@ -1,20 +1,24 @@
-"""Transports: how block data moves once two KV agents have shaken hands.
+"""Transports: how one rank's block data moves once two ranks' agents have shaken hands.
 
-A transport registers the local KV cache (`local_info()` is what the peer needs to
-reach it, sent in the handshake), attaches to a peer's, and moves blocks:
+A transport registers its rank's KV cache (`local_info()` is what the peer rank needs to reach
+it, sent in the data handshake), attaches to a peer rank's, and moves heads of blocks, as a
+RankPair says (pair.num_heads heads from head pair.src_head of the prefill rank to head
+pair.dst_head of the decode rank):
 `read` pulls a peer's blocks into ours (read mode, blocking, agent client thread);
-`write_layer` pushes one layer of our blocks into a peer's (write mode; may be
-asynchronous) and `flush` returns once every push so far has landed.
+`stage_layer` (engine thread, right after the layer's KV was stored) captures what to push and
+`write_layer` pushes it into a peer's blocks (write mode; may be asynchronous); `flush` returns
+once every push so far has landed.
 The cache is [2, layers, blocks, block_size, kv_heads, head_dim]; blocks are dim 2.
 """
 import torch
 
-from tandem.connectors.protocol import WriteBlocks
-from tandem.connectors.staging import gather_blocks
+from tandem.connectors.layout import RankPair
+from tandem.connectors.protocol import BlocksData, ReadBlocks, WriteBlocks
+from tandem.connectors.staging import gather_blocks, scatter_blocks
 
 
 class TcpTransport:
-    """Host-staged over the agents' ZMQ sockets: works anywhere (CI, across nodes)."""
+    """Host-staged over the rank agents' ZMQ sockets: works anywhere (CI, across nodes)."""
 
     name = "tcp"
 
@@ -27,15 +31,21 @@ class TcpTransport:
     def attach(self, peer: str, info: bytes) -> None:
         pass
 
-    def read(self, peer: str, request_id: str, remote_blocks: list[int], local_blocks: list[int]) -> None:
-        self.agent.read_blocks(peer, request_id, remote_blocks, local_blocks)
+    def read(self, peer: str, request_id: str, remote_blocks: list[int], local_blocks: list[int],
+             pair: RankPair) -> None:
+        from tandem.connectors.agent import TransferError
 
-    def stage_layer(self, layer: int, local_blocks: list[int]):
-        """Engine thread, right after the layer's KV was stored: capture what to send."""
-        return gather_blocks(self.kv_cache, local_blocks, layer)
+        reply, data = self.agent.request(peer, ReadBlocks(request_id, remote_blocks, pair.src_head, pair.num_heads))
+        if not isinstance(reply, BlocksData) or reply.error or data is None:
+            raise TransferError(f"KV read of {request_id} from {peer} failed: {getattr(reply, 'error', reply)}")
+        scatter_blocks(self.kv_cache, local_blocks, data, -1, pair.dst_head, pair.num_heads)
 
-    def write_layer(self, peer: str, transfer_id: str, layer: int, staged, remote_blocks: list[int]) -> None:
-        self.agent.send(peer, WriteBlocks(transfer_id, layer, remote_blocks), staged)
+    def stage_layer(self, layer: int, local_blocks: list[int], pair: RankPair):
+        return gather_blocks(self.kv_cache, local_blocks, layer, pair.src_head, pair.num_heads)
+
+    def write_layer(self, peer: str, transfer_id: str, layer: int, staged, remote_blocks: list[int],
+                    pair: RankPair) -> None:
+        self.agent.send(peer, WriteBlocks(transfer_id, layer, remote_blocks, pair.dst_head, pair.num_heads), staged)
 
     def flush(self, peer: str) -> None:
         pass  # ZMQ delivers in order: the completion message follows the data
@@ -45,6 +55,7 @@ class TcpTransport:
 
 
 def make_transport(name: str, kv_cache: torch.Tensor, agent):
+    """agent: the rank's KVAgent (tcp and mori talk through it)."""
     if name == "tcp":
         return TcpTransport(kv_cache, agent)
     if name == "ipc":

@@ -8,6 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from tandem.connectors.params import parse_kv_transfer_params
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import EngineConfig
 from tandem.engine.loader import eos_token_ids, load_hf_config
@@ -54,10 +55,8 @@ class EngineCore:
         self.tokenizer_path = config.model.tokenizer or config.model.model
         self.workers, self._broadcast = None, None
         device = None
+        group = None
         if config.parallel.tensor_parallel_size > 1:
-            if config.kv_transfer.enabled:
-                raise ValueError("PD disaggregation (--kv-transfer-config) with --tensor-parallel-size > 1 "
-                                 "is not supported yet")
             if config.parallel.node_rank != 0:
                 raise ValueError("the engine core runs on node 0; other nodes run only workers")
             self.workers = Workers(config, self.max_model_len, include_rank0=False)
@@ -72,18 +71,20 @@ class EngineCore:
         self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                    config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, self.eos_token_ids)
-        self.connector = None
+        self.connector = None  # the KV connector's scheduler side (PD disaggregation)
         self._inflight: PendingStep | None = None  # --async-scheduling: the step on the GPU now
         if config.kv_transfer.enabled:
             from tandem.connectors import build_connector
-            self.set_connector(build_connector(config.kv_transfer, self.runner))
+            connector, self.runner.kv_worker = build_connector(config, self.runner, self.hf_config, group)
+            self.set_connector(connector)
         logger.info("engine ready: %s, max_model_len=%d, %d KV blocks, async scheduling %s",
                     type(self.runner.model).__name__, self.max_model_len, self.blocks.num_blocks,
                     "on" if self.async_scheduling else "off")
         WATCH.mark_ready()
 
     def set_connector(self, connector) -> None:
-        """Attach a KV connector's scheduler side (PD disaggregation)."""
+        """Attach a KV connector's scheduler side (PD disaggregation); its worker side is the
+        runner's kv_worker on every rank."""
         assert self._inflight is None
         self.connector = connector
         self.scheduler.connector = connector
@@ -110,7 +111,7 @@ class EngineCore:
         max_tokens = self.validate(req)
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, req.sampling_params, req.arrival_time or time.time(),
-            req.kv_transfer_params, max_tokens, device=str(self.runner.device)))
+            parse_kv_transfer_params(req.kv_transfer_params), max_tokens, device=str(self.runner.device)))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
@@ -126,8 +127,10 @@ class EngineCore:
         if self._dp_group is not None:
             sampled, prompt_logprobs = self._lockstep_execute(out)
         elif out.scheduled:
-            sampled, prompt_logprobs = self.runner.execute(out, self.eos_token_ids, self._layer_hook(out),
+            sampled, prompt_logprobs = self.runner.execute(out, self.eos_token_ids, self._kv_meta(out),
                                                            self._broadcast)
+        else:
+            self._kv_only_step(self._kv_meta(out))
         outputs += self.scheduler.update(out, sampled, prompt_logprobs)
         if not out.scheduled and not outputs and self._dp_group is None:
             time.sleep(0.001)  # only KV transfers in flight: poll them without spinning a core
@@ -158,8 +161,17 @@ class EngineCore:
             return outputs + self.scheduler.update(SchedulerOutput(), {}, {})  # aborts etc. now
         return self._execute(out, outputs)
 
-    def _layer_hook(self, out: SchedulerOutput):
-        return self.connector.layer_hook(out.scheduled) if self.connector is not None and out.scheduled else None
+    def _kv_meta(self, out: SchedulerOutput):
+        """What this step transfers (KVStepMeta, for every rank), or None."""
+        return self.connector.build_meta(out.scheduled) if self.connector is not None else None
+
+    def _kv_only_step(self, meta) -> None:
+        """A step with transfers but no batch: hand them to every rank all the same."""
+        if meta is None:
+            return
+        if self._broadcast is not None:
+            self._broadcast(meta)
+        self.runner.kv_worker.start(meta)
 
     def _launch(self, out: SchedulerOutput, prev: PendingStep | None = None) -> None:
         """Launch `out` (see _step_async); lockstep DP ranks first agree on its padded size."""
@@ -169,7 +181,7 @@ class EngineCore:
             if pad_to == 0:
                 return
         self._inflight = self.runner.launch(out, self.eos_token_ids, prev, pad_to=pad_to, force_eager=eager,
-                                            broadcast=self._broadcast, on_layer_stored=self._layer_hook(out))
+                                            broadcast=self._broadcast, kv_meta=self._kv_meta(out))
 
     def _continues(self, prev: PendingStep) -> bool:
         """May the next decode step of prev's requests launch before prev's tokens are known?
@@ -237,6 +249,8 @@ class EngineCore:
         self.scheduler.abort_requests(list(self.scheduler.requests))
         if self.connector is not None:
             self.connector.close()
+        if self.runner.kv_worker is not None:
+            self.runner.kv_worker.close()
         if self.workers is not None or self._dp_group is not None:
             self.runner.close()  # graphs may hold NCCL work: drop them before leaving the group
         if self.workers is not None:

@@ -79,6 +79,7 @@ class ModelRunner:
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
         self.model.eval()
+        self.kv_worker = None  # the KV connector's worker side on this rank (PD), set by the engine
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
         if self.device.type == "cuda" and triton_available() and config.compilation.compile_ahead:
@@ -253,9 +254,14 @@ class ModelRunner:
         return inputs, sample_reqs, prompt_spans
 
     @torch.inference_mode()
-    def forward_logits(self, x: "StepInputs", on_layer_stored=None) -> torch.Tensor:
-        """Run the model on one batch; logits (float32) at x.logits_rows. Every TP rank calls this."""
+    def forward_logits(self, x: "StepInputs") -> torch.Tensor:
+        """Run the model on one batch; logits (float32) at x.logits_rows. Every TP rank calls this;
+        the step's KV transfers (x.kv) start first, and pushes run after each layer's KV store."""
         dev = self.device
+        on_layer_stored = None
+        if x.kv is not None and self.kv_worker is not None:
+            self.kv_worker.start(x.kv)
+            on_layer_stored = self.kv_worker.layer_hook(x.kv)
         decode_only = x.input_ids.shape[0] == x.seq_lens.shape[0]
         if (self.graphs is not None and decode_only and on_layer_stored is None and not x.force_eager
                 and self.graphs.padded_size(x.input_ids.shape[0]) is not None):
@@ -272,13 +278,14 @@ class ModelRunner:
             hidden = self.model(x.input_ids.to(dev), x.positions.to(dev), ctx)
         return self.model.compute_logits(hidden[x.logits_rows]).float()
 
-    def _forward(self, out: SchedulerOutput, pad_to: int, force_eager: bool, broadcast, on_layer_stored,
+    def _forward(self, out: SchedulerOutput, pad_to: int, force_eager: bool, broadcast, kv_meta,
                  prev: "PendingStep | None" = None) -> tuple[torch.Tensor, list, list]:
         """Prepare `out`, hand it to the other TP ranks, run the forward pass (input ids from
         prev's device tokens when given, see launch): (logits, sampled requests, prompt spans)."""
         inputs, sample_reqs, prompt_spans = self.prepare(out, pad_to, ahead=1 if prev is not None else 0)
         inputs.force_eager = force_eager
         inputs.ids_on_rank0 = prev is not None
+        inputs.kv = kv_meta
         if broadcast is not None:
             broadcast(inputs)
         if prev is not None:
@@ -286,16 +293,16 @@ class ModelRunner:
             inputs.input_ids = torch.cat([ids, ids.new_zeros(pad)]) if pad else ids
             if broadcast is not None:
                 torch.distributed.broadcast(inputs.input_ids, src=0)
-        return self.forward_logits(inputs, on_layer_stored), sample_reqs, prompt_spans
+        return self.forward_logits(inputs), sample_reqs, prompt_spans
 
-    def execute(self, out: SchedulerOutput, eos_token_ids: set[int], on_layer_stored=None,
+    def execute(self, out: SchedulerOutput, eos_token_ids: set[int], kv_meta=None,
                 broadcast=None, pad_to: int = 0, force_eager: bool = False
                 ) -> tuple[dict[str, SampledToken], dict[str, list[TokenLogprobs]]]:
         """One step on rank 0. broadcast(inputs) hands the batch to the other TP ranks first;
-        on_layer_stored(layer) runs once each layer's new KV is in the cache (write-mode KV
-        connectors push it from there). pad_to / force_eager: lockstep data-parallel ranks pad
+        kv_meta: the step's KV transfers (connectors KVStepMeta), done by every rank's kv_worker
+        (write-mode pushes go out as each layer's new KV lands in the cache). pad_to / force_eager: lockstep data-parallel ranks pad
         to the same token count and agree on eager vs. CUDA graph (see EngineCore.step)."""
-        logits, sample_reqs, prompt_spans = self._forward(out, pad_to, force_eager, broadcast, on_layer_stored)
+        logits, sample_reqs, prompt_spans = self._forward(out, pad_to, force_eager, broadcast, kv_meta)
         sampled = {}
         if sample_reqs:
             batch = SamplingBatch.build(sample_reqs, self.vocab_size, self.device)
@@ -311,14 +318,14 @@ class ModelRunner:
         return sampled, prompt_logprobs
 
     def launch(self, out: SchedulerOutput, eos_token_ids: set[int], prev: "PendingStep | None" = None,
-               pad_to: int = 0, force_eager: bool = False, broadcast=None, on_layer_stored=None) -> "PendingStep":
+               pad_to: int = 0, force_eager: bool = False, broadcast=None, kv_meta=None) -> "PendingStep":
         """Queue one step (forward pass and sampling) without waiting for it; collect() gets its
         tokens. prev: the step before, still in flight: every request of `out` is one decode
         token past what the host knows, and its input token is prev's sampled token, read on
         the device (and sent to the other TP ranks from there). No request may ask for logprobs
-        (they are read on the host). pad_to / force_eager / broadcast / on_layer_stored: as in
+        (they are read on the host). pad_to / force_eager / broadcast / kv_meta: as in
         execute()."""
-        logits, sample_reqs, prompt_spans = self._forward(out, pad_to, force_eager, broadcast, on_layer_stored, prev)
+        logits, sample_reqs, prompt_spans = self._forward(out, pad_to, force_eager, broadcast, kv_meta, prev)
         assert not prompt_spans
         if sample_reqs:
             batch = SamplingBatch.build(sample_reqs, self.vocab_size, self.device)
@@ -386,6 +393,7 @@ class StepInputs:
     prefills_from_start: bool = False  # see ForwardContext
     force_eager: bool = False
     ids_on_rank0: bool = False  # input ids follow on the device from rank 0 (async scheduling)
+    kv: object = None  # the step's KV transfers (connectors KVStepMeta), for every rank
 
     def receive_ids(self, device: torch.device) -> None:
         """Other TP ranks: take the input ids that rank 0 broadcasts from its device."""

@@ -5,6 +5,7 @@ compact msgpack frames over ZMQ.
 """
 import msgspec
 
+from tandem.connectors.params import KVTransferParams
 from tandem.engine.sampling_params import SamplingParams
 
 
@@ -13,8 +14,8 @@ class EngineRequest(msgspec.Struct, omit_defaults=True):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = 0.0
-    # PD disaggregation: set by the router, read by the KV connector (see connectors/).
-    kv_transfer_params: dict | None = None
+    # PD disaggregation: set by the router, read by the KV connector (see connectors/params.py).
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

@@ -43,7 +43,7 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None, kv_transfer_params: dict | None = None,
+                 arrival_time: float | None = None, kv_transfer_params=None,
                  max_tokens: int = 0, device: str = "cpu"):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -51,7 +51,7 @@ class Request:
         self.params = params
         self.max_tokens = max_tokens  # resolved against max_model_len by the engine
         self.arrival_time = arrival_time or time.time()
-        self.kv_transfer_params = kv_transfer_params
+        self.kv_transfer_params = kv_transfer_params  # connectors.params.KVTransferParams | None
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit at first schedule

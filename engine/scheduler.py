@@ -11,7 +11,7 @@ blocks until a transfer completes?).
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import SchedulerConfig
@@ -41,8 +41,8 @@ class SchedulerConnector(Protocol):
     def on_request_finished(self, req: Request) -> tuple[bool, dict | None]:
         """(keep blocks until a send completes?, kv_transfer_params for the client)."""
 
-    def layer_hook(self, scheduled: list[tuple[Request, int]]) -> Callable[[int], None] | None:
-        """Called before a forward pass; the callback runs after each layer stored its KV."""
+    def build_meta(self, scheduled: list[tuple[Request, int]]):
+        """What this step transfers (sent with the step to every rank's worker side), or None."""
 
     def close(self) -> None: ...
 

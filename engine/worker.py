@@ -36,8 +36,13 @@ def _on_cpu(config: EngineConfig) -> bool:
 
 
 def local_device(config: EngineConfig, rank: int) -> str:
-    """The device of tensor-parallel rank `rank` (GPUs numbered from 0 on each node)."""
-    return "cpu" if _on_cpu(config) else f"cuda:{rank - ranks_on_node(config).start}"
+    """The device of tensor-parallel rank `rank`: GPUs in order on each node, from the one
+    --device cuda:N names (0 by default; several instances share a node that way, e.g. disagg)."""
+    if _on_cpu(config):
+        return "cpu"
+    dev = config.model.device
+    first = int(dev.split(":", 1)[1]) if dev.startswith("cuda:") else 0
+    return f"cuda:{first + rank - ranks_on_node(config).start}"
 
 
 def max_tokens_per_step(config: EngineConfig) -> int:
@@ -136,13 +141,22 @@ def _worker_main(config: EngineConfig, rank: int, max_model_len: int, stopped) -
     hf_config = load_hf_config(config.model.model)
     group = init_distributed(config, rank)
     runner = ModelRunner(config, hf_config, max_model_len, device=local_device(config, rank))
+    if config.kv_transfer.enabled:
+        from tandem.connectors import build_connector
+        _, runner.kv_worker = build_connector(config, runner, hf_config, group)
+    from tandem.engine.model_runner import StepInputs
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=group)
         if box[0] is None:
             break
+        if not isinstance(box[0], StepInputs):  # a step of KV transfers only
+            runner.kv_worker.start(box[0])
+            continue
         box[0].receive_ids(runner.device)
         runner.forward_logits(box[0])
+    if runner.kv_worker is not None:
+        runner.kv_worker.close()
     runner.close()
     leave_distributed()
     # Stay until rank 0 has left too: NCCL's abort can hang on a peer process that is gone.

@@ -2,10 +2,13 @@
 
 The contract with the instances (their KV connector reads `kv_transfer_params`):
 
-Read mode (decode pulls), serial:
+kv_transfer_params is connectors.params.KVTransferParams on both sides.
+
+Read mode (decode pulls), serial (P and D are picked together):
   1. P gets the client's body with max_tokens=1 (chat: also max_completion_tokens=1),
      stream=false, no stream_options/min_tokens, n=1, and
-     kv_transfer_params={"do_remote_decode": true}.
+     kv_transfer_params={"do_remote_decode": true, "remote_*": D's KV address} (P frees its
+     held blocks at once if D's connection fails before D read them).
   2. P answers JSON with a top-level "kv_transfer_params" dict (remote_engine_id,
      remote_block_ids, remote_host, remote_port, remote_request_id, ...). An error
      answer goes back to the client unchanged and D is never contacted.
@@ -35,6 +38,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
+from tandem.connectors.params import KVTransferParams, parse_kv_transfer_params
 from tandem.router.config import RouterConfig
 from tandem.router.errors import RouterError
 from tandem.router.metrics import RouterMetrics
@@ -65,9 +69,14 @@ def prefill_request_body(body: dict, path: str, kv_transfer_params: dict) -> dic
 
 
 def peer_kv_address(inst: Instance) -> dict:
-    """Where the other side of a write-mode transfer reaches `inst`'s KV connector."""
+    """Where the other side of a transfer reaches `inst`'s KV connector."""
     return {"remote_engine_id": inst.info.engine_id, "remote_host": inst.info.kv_host,
             "remote_port": inst.info.kv_handshake_port, "remote_notify_port": inst.info.kv_notify_port}
+
+
+def kv_params(**fields) -> dict:
+    """kv_transfer_params for an instance, checked against the shared structure."""
+    return KVTransferParams(**fields).to_dict()
 
 
 async def parse_json_body(request: Request) -> tuple[dict, bytes]:
@@ -182,13 +191,18 @@ class PDOrchestrator:
 
     async def _read_mode(self, prefill: Instance, decode: Instance, path: str, body: dict,
                          client_streams: bool, headers: dict[str, str], finish: OnClose) -> Response:
-        prefill_body = prefill_request_body(body, path, {"do_remote_decode": True})
+        prefill_body = prefill_request_body(body, path, kv_params(do_remote_decode=True, **peer_kv_address(decode)))
         answer = await self._prefill(prefill, path, prefill_body, headers)
         kv_transfer_params = answer.get("kv_transfer_params")
         if not isinstance(kv_transfer_params, dict):
             raise RouterError(f"prefill instance {prefill.instance_id} answered without a kv_transfer_params "
                               "object; is it running with a KV connector in read mode?", 502,
                               "missing_kv_transfer_params")
+        try:
+            parse_kv_transfer_params(kv_transfer_params)
+        except ValueError as e:
+            raise RouterError(f"prefill instance {prefill.instance_id} answered {e}", 502,
+                              "bad_kv_transfer_params") from None
         stream = await self.upstream.open_stream(decode, path, {**body, "kv_transfer_params": kv_transfer_params},
                                                  headers)
         return await relay(stream, client_streams, finish)
@@ -196,10 +210,10 @@ class PDOrchestrator:
     async def _write_mode(self, prefill: Instance, decode: Instance, path: str, body: dict,
                           client_streams: bool, headers: dict[str, str], finish: OnClose) -> Response:
         transfer_id = uuid.uuid4().hex
-        decode_body = {**body, "kv_transfer_params": {"do_remote_prefill": True, "mode": "write",
-                                                      "transfer_id": transfer_id, **peer_kv_address(prefill)}}
-        prefill_body = prefill_request_body(body, path, {"do_remote_decode": True, "mode": "write",
-                                                         "transfer_id": transfer_id, **peer_kv_address(decode)})
+        decode_body = {**body, "kv_transfer_params": kv_params(do_remote_prefill=True, mode="write",
+                                                               transfer_id=transfer_id, **peer_kv_address(prefill))}
+        prefill_body = prefill_request_body(body, path, kv_params(do_remote_decode=True, mode="write",
+                                                                  transfer_id=transfer_id, **peer_kv_address(decode)))
         prefill_task = asyncio.create_task(self._prefill(prefill, path, prefill_body, headers))
         decode_task = asyncio.create_task(self.upstream.open_stream(decode, path, decode_body, headers))
         try:

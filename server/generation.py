@@ -5,6 +5,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from tandem.connectors.params import parse_kv_transfer_params
 from tandem.engine.protocol import EngineRequest, RequestOutput, TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
 from tandem.server.detokenizer import IncrementalDetokenizer
@@ -155,6 +156,10 @@ def build_requests(ctx: ServingContext, body: GenerationFields, request_id: str,
     if bad is not None:
         raise APIError(f"stop token id {bad} is out of range for a vocabulary of {ctx.vocab_size}",
                        param="stop_token_ids")
+    try:
+        kv_transfer_params = parse_kv_transfer_params(body.kv_transfer_params)
+    except ValueError as e:
+        raise APIError(str(e), param="kv_transfer_params") from None
     stops = body.stop_strings
     requests, choices = [], {}
     arrival = time.time()
@@ -163,7 +168,7 @@ def build_requests(ctx: ServingContext, body: GenerationFields, request_id: str,
             seed = body.seed if body.seed is None or j == 0 else (body.seed + j * _SEED_STRIDE) % (1 << 63)
             params = sampling_params(body, max_tokens, logprobs, prompt_logprobs, seed)
             rid = f"{request_id}-{i}-{j}"
-            requests.append(EngineRequest(rid, ids, params, arrival, body.kv_transfer_params))
+            requests.append(EngineRequest(rid, ids, params, arrival, kv_transfer_params))
             choices[rid] = Choice(i * body.n + j, rid, i, ids, drop_output=drop_output, arrival_time=arrival,
                                   detok=IncrementalDetokenizer(ctx.tokenizer, ids, stops, body.skip_special_tokens))
     return requests, choices

@@ -30,8 +30,14 @@ def add_pd_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-port", type=int, default=0, help="prefill/decode: KV handshake port (0: a free one)")
     g.add_argument("--num-prefill", type=int, default=1, help="disagg: prefill instances")
     g.add_argument("--num-decode", type=int, default=1, help="disagg: decode instances")
-    g.add_argument("--prefill-gpus", default=None, help="disagg: GPU per prefill instance, e.g. 0,1")
-    g.add_argument("--decode-gpus", default=None, help="disagg: GPU per decode instance, e.g. 2,3")
+    g.add_argument("--prefill-gpus", default=None,
+                   help="disagg: first GPU of each prefill instance, e.g. 0,1 (default: in order after none)")
+    g.add_argument("--decode-gpus", default=None,
+                   help="disagg: first GPU of each decode instance, e.g. 2,3 (default: in order after the prefills)")
+    g.add_argument("--prefill-tp", type=int, default=None,
+                   help="disagg: --tensor-parallel-size of each prefill instance (default: --tensor-parallel-size)")
+    g.add_argument("--decode-tp", type=int, default=None,
+                   help="disagg: --tensor-parallel-size of each decode instance (default: --tensor-parallel-size)")
 
 
 def free_port() -> int:
@@ -51,7 +57,12 @@ def pd_config(args: argparse.Namespace, config: EngineConfig) -> EngineConfig:
     if not int(extra.get("handshake_port", 0)):
         extra["handshake_port"] = args.kv_port or free_port()
     extra.setdefault("engine_id", f"{args.role}-{args.advertise_host}-{args.port}-{uuid.uuid4().hex[:6]}")
-    return dataclasses.replace(config, kv_transfer=dataclasses.replace(kv, kv_connector_extra_config=extra))
+    parallel = config.parallel
+    if parallel.tensor_parallel_size > 1 and getattr(args, "master_port", None) is None:
+        # Several TP instances share a node: each needs its own rendezvous port.
+        parallel = dataclasses.replace(parallel, master_port=free_port())
+    return dataclasses.replace(config, parallel=parallel,
+                               kv_transfer=dataclasses.replace(kv, kv_connector_extra_config=extra))
 
 
 def start_registration(args: argparse.Namespace, config: EngineConfig, client):
@@ -97,6 +108,39 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _without_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
+def _gpus_in_order(args: argparse.Namespace, tp: dict[str, int]) -> tuple[list, list]:
+    """disagg: each instance's first GPU (its TP ranks take the GPUs after it): as given by
+    --prefill-gpus / --decode-gpus, else in order (prefills first) on a GPU machine; None on CPU."""
+    given = {"prefill": args.prefill_gpus, "decode": args.decode_gpus}
+    counts = {"prefill": args.num_prefill, "decode": args.num_decode}
+    on_gpu = args.device not in ("cpu",) and (args.device or "auto").startswith(("auto", "cuda"))
+    if on_gpu and not any(given.values()):
+        import torch
+        on_gpu = torch.cuda.is_available()
+    out, nxt = {}, 0
+    for role in ("prefill", "decode"):
+        if given[role]:
+            out[role] = [int(g) for g in given[role].split(",")]
+        elif on_gpu:
+            out[role] = [nxt + i * tp[role] for i in range(counts[role])]
+        else:
+            out[role] = [None] * counts[role]
+        nxt = max([g + tp[role] for g in out[role] if g is not None] + [nxt])
+    return out["prefill"], out["decode"]
+
+
 def _die_with_parent() -> None:
     import ctypes
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -106,8 +150,9 @@ def run_disagg(args: argparse.Namespace) -> int:
     """Router + prefill + decode instances as children; any child's death stops the tree."""
     registry_port = args.registry_port or free_port()
     common = ["--log-level", args.log_level] + (["--api-key", args.api_key] if args.api_key else [])
-    prefill_gpus = args.prefill_gpus.split(",") if args.prefill_gpus else [None] * args.num_prefill
-    decode_gpus = args.decode_gpus.split(",") if args.decode_gpus else [None] * args.num_decode
+    tp = {"prefill": args.prefill_tp or args.tensor_parallel_size or 1,
+          "decode": args.decode_tp or args.tensor_parallel_size or 1}
+    prefill_gpus, decode_gpus = _gpus_in_order(args, tp)
     if len(prefill_gpus) != args.num_prefill or len(decode_gpus) != args.num_decode:
         raise SystemExit("server: --prefill-gpus / --decode-gpus must list one GPU per instance")
     children: list[tuple[str, subprocess.Popen]] = []
@@ -123,13 +168,16 @@ def run_disagg(args: argparse.Namespace) -> int:
         if getattr(args, flag, None):
             router_argv += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     spawn("router", router_argv)
-    base = engine_argv(args)
+    base = _without_flags(engine_argv(args), ("--tensor-parallel-size", "--master-port", "--device"))
     for role, gpus in (("prefill", prefill_gpus), ("decode", decode_gpus)):
         for i, gpu in enumerate(gpus):
             argv = ["--role", role, "--host", "127.0.0.1", "--port", str(free_port()),
-                    "--router-address", f"127.0.0.1:{registry_port}", "--kv-transport", args.kv_transport, *base]
+                    "--router-address", f"127.0.0.1:{registry_port}", "--kv-transport", args.kv_transport, *base,
+                    "--tensor-parallel-size", str(tp[role]), "--master-port", str(free_port())]
             if gpu is not None:
                 argv += ["--device", f"cuda:{gpu}"]
+            elif args.device is not None:
+                argv += ["--device", args.device]
             spawn(f"{role}-{i}", argv)
 
     stopping = False

@@ -173,3 +173,22 @@ def test_write_mode_prefill_fails_when_decode_never_sends_blocks(model_dir):
         settle(prefill)
     finally:
         prefill.shutdown()
+
+
+def test_prefill_frees_at_once_when_the_reading_decode_is_gone(model_dir):
+    """Read mode: the decode named by the router is dead (nothing listens at its KV port): the
+    prefill frees its held blocks within a second, not after hold_timeout_s (60 s here)."""
+    from tests.ports import free_port
+
+    prefill = make(model_dir, "kv_producer", hold_timeout_s=60)
+    try:
+        prefill.add_request(EngineRequest("p", PROMPTS[4], SamplingParams(max_tokens=1), kv_transfer_params={
+            "do_remote_decode": True, "remote_host": "127.0.0.1", "remote_port": free_port()}))
+        run_all(prefill, until=lambda o: finished(o, "p"))
+        start = time.monotonic()
+        while prefill.blocks.num_free_blocks != prefill.blocks.num_blocks:
+            assert time.monotonic() - start < 1.0, "held blocks not freed within a second"
+            prefill.step()
+            time.sleep(0.01)
+    finally:
+        prefill.shutdown()

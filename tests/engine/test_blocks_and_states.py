@@ -55,7 +55,7 @@ class FakeConnector:
     def ready(self, req):
         return True
 
-    def layer_hook(self, scheduled):
+    def build_meta(self, scheduled):
         return None
 
     def close(self):
@@ -89,7 +89,7 @@ class CopyConnector(FakeConnector):
             if self.fail:
                 failed[rid] = "KV transfer timed out"
                 continue
-            src = req.kv_transfer_params["remote_block_ids"]
+            src = req.kv_transfer_params.remote_block_ids
             n = len(src)
             self.decode.engine.runner.kv_cache[:, :, req.block_ids[:n]] = self.prefill.engine.runner.kv_cache[:, :, src]
             landed.add(rid)

@@ -27,7 +27,9 @@ def test_read_mode_prefill_first_then_decode_with_prefill_params(pd_router):
     (p_req,), (d_req,) = pd_router.prefill.received, pd_router.decode.received
     p_body, d_body = p_req["body"], d_req["body"]
     assert p_body["max_tokens"] == 1 and p_body["stream"] is False
-    assert p_body["kv_transfer_params"] == {"do_remote_decode": True}
+    # P learns which decode will read (so it can free its blocks at once if that decode dies).
+    assert p_body["kv_transfer_params"]["do_remote_decode"] is True
+    assert p_body["kv_transfer_params"]["remote_engine_id"] == pd_router.decode.engine_id
     assert p_body["prompt"] == COMPLETION["prompt"]
     # D gets the client's body unchanged plus exactly what P returned.
     expected_kv = {"remote_engine_id": "engine-p0", "remote_block_ids": [3, 4, 5], "remote_host": "127.0.0.1",

@@ -2,7 +2,9 @@
 JSON (reference: OpenAI's error shape), and the app's error paths over a fake engine client."""
 import asyncio
 
+
 import httpx
+import msgspec
 import pytest
 
 from tandem.engine.config import EngineConfig
@@ -156,8 +158,22 @@ def test_kv_transfer_params_pass_through(fake_app):
     fake.script = script
     params = {"do_remote_decode": True}
     resp = _post(app, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "kv_transfer_params": params})
-    assert resp.status_code == 200 and seen == [params]
+    assert resp.status_code == 200 and [msgspec.to_builtins(p) for p in seen] == [params]
     assert resp.json()["kv_transfer_params"] == {"remote_block_ids": [1, 2]}
     resp = _post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
                                                "kv_transfer_params": params})
     assert resp.status_code == 200 and resp.json()["kv_transfer_params"] == {"remote_block_ids": [1, 2]}
+
+
+@pytest.mark.parametrize("params,field", [
+    ({"do_remote_prefill": True, "remote_host": "h", "remote_port": "x"}, "kv_transfer_params.remote_port"),
+    ({"do_remote_prefill": True, "remote_host": "h", "remote_port": 5}, "remote_block_ids"),
+    ({"mode": "push"}, "kv_transfer_params.mode"),
+    ([1, 2], "kv_transfer_params"),
+])
+def test_malformed_kv_transfer_params_are_a_400_naming_the_field(fake_app, params, field):
+    app, _ = fake_app
+    resp = _post(app, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "kv_transfer_params": params})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert field in err["message"] and err["param"] == "kv_transfer_params"
