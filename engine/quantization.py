@@ -106,7 +106,10 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) ->
     if name == "auto":
         return model_dtype
     if name == "fp8":
-        from tandem.kernels.fp8 import fp8_dtype
+        from tandem.kernels.fp8 import fp8_dtype, has_fp8_compute
 
+        if device.type == "cuda" and not has_fp8_compute(device):
+            raise ValueError("--kv-cache-dtype fp8 needs a GPU with FP8 (NVIDIA compute capability >= 8.9, "
+                             "MI300 or newer); use --kv-cache-dtype auto")
         return fp8_dtype(device.type)
     raise ValueError(f"unknown --kv-cache-dtype {name!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
