@@ -5,7 +5,14 @@ bandwidth (a large device-to-device copy, counting bytes read + written). Prefil
 one 4k-token step vs. the matmul floor = 2 * params * tokens / bf16 matmul rate (8k^3 GEMM).
 Models are built with --load-format dummy from Hugging Face-shaped configs (no downloads).
 
+FP8 (--fp8 block|channel): the same models with FP8 weights (block: the Hugging Face [128, 128]
+layout in config.json; channel: --quantization fp8), optionally --kv-cache-dtype fp8. The HBM
+floor then counts the fp8 weight and scale bytes; the prefill floor uses the FP8 matmul rate
+(torch._scaled_mm at 8192^3) for the GEMMs, and --fp8-kernels times each FP8 GEMM against
+torch._scaled_mm (row-wise scales) on the same shapes.
+
   python -m benchmarks.roofline --out results.json
+  python -m benchmarks.roofline --fp8 block --kv-cache-dtype fp8 --fp8-kernels --out fp8.json
 """
 import argparse
 import json
@@ -64,13 +71,57 @@ def matmul_rate() -> float:
     return 10 * 2 * 8192**3 / (time.perf_counter() - t)
 
 
-def build(name: str, **kw):
+def fp8_matmul_rate() -> float:
+    """FLOP/s of torch._scaled_mm (e4m3, per-tensor scales, bf16 out) at 8192^3: the FP8 ceiling."""
+    from tandem.kernels.fp8 import fp8_dtype
+    a = torch.randn(8192, 8192, device="cuda").to(fp8_dtype("cuda"))
+    b = torch.randn(8192, 8192, device="cuda").to(fp8_dtype("cuda")).t()
+    one = torch.ones((), device="cuda")
+    for _ in range(3):
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    return 10 * 2 * 8192**3 / (time.perf_counter() - t)
+
+
+def fp8_kernel_rows() -> list[dict]:
+    """Each FP8 GEMM (ours, block [128, 128] and per-channel) vs torch._scaled_mm with row-wise
+    scales on the same fp8 operands and shape (Llama-8B projections at decode and prefill rows)."""
+    from triton.testing import do_bench
+
+    from tandem.kernels.fp8 import fp8_dtype, quantize_weight
+    from tandem.kernels.triton.fp8 import fp8_linear_triton
+    dt, rows = fp8_dtype("cuda"), []
+    for m in (1, 16, 64, 4096):
+        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, k, device="cuda") * 0.02
+            xq, wq_c = x.to(dt), quantize_weight(w, dt)[0]
+            sa, sb = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
+            ref_ms = do_bench(lambda: torch._scaled_mm(xq, wq_c.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+            for block in ((128, 128), None):
+                wq, ws = quantize_weight(w, dt, block)
+                ms = do_bench(lambda: fp8_linear_triton(x, wq, ws, block))
+                rows.append(dict(model="fp8-gemm", what=f"{m}x{n}x{k} {'block' if block else 'channel'}",
+                                 ms=ms, floor_ms=ref_ms, of_floor=ref_ms / ms))
+                print("measured:", rows[-1], flush=True)
+    return rows
+
+
+def build(name: str, fp8: str = "none", **kw):
     from tandem.engine import LLM
 
     d = Path(tempfile.mkdtemp()) / name
     d.mkdir()
-    (d / "config.json").write_text(json.dumps(MODELS[name]))
-    return LLM(str(d), load_format="dummy", dtype="bfloat16", **kw)
+    cfg = dict(MODELS[name])
+    if fp8 == "block":
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "weight_block_size": [128, 128]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return LLM(str(d), load_format="dummy", dtype="bfloat16", quantization="fp8" if fp8 == "channel" else None, **kw)
 
 
 def param_bytes(runner, active_experts: float | None = None) -> float:
@@ -79,7 +130,7 @@ def param_bytes(runner, active_experts: float | None = None) -> float:
     experts per layer (the top-k of one token at batch 1)."""
     total = 0
     for name, p in runner.model.named_parameters():
-        if active_experts is not None and name.endswith((".w13", ".w2")):
+        if active_experts is not None and name.endswith((".w13", ".w2", ".w13_scale", ".w2_scale")):
             total += p.numel() // p.shape[0] * active_experts * p.element_size()
         elif "embed_tokens" not in name:
             total += p.numel() * p.element_size()
@@ -160,6 +211,12 @@ def main() -> None:
     ap.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=True,
                     help="linear layers of <= 16 rows on the Triton GEMM (kernels/linear.py; the engine's "
                          "default): --no-skinny-gemm measures them on torch (cuBLAS)")
+    ap.add_argument("--fp8", choices=["none", "block", "channel"], default="none",
+                    help="FP8 weights: block = the Hugging Face [128, 128] checkpoint layout, channel = "
+                         "--quantization fp8 (per-channel); the floors then count fp8 bytes and the FP8 matmul rate")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the engine's --kv-cache-dtype")
+    ap.add_argument("--fp8-kernels", action="store_true",
+                    help="also time each FP8 GEMM against torch._scaled_mm on the same shapes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from tandem.kernels import linear
@@ -169,19 +226,23 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     bw, mm = copy_bandwidth(), matmul_rate()
     dev = torch.cuda.get_device_name()
-    print(f"{dev}: copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s (measured now)")
-    rows = []
+    mm8 = fp8_matmul_rate() if args.fp8 != "none" or args.fp8_kernels else None
+    print(f"{dev}: copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s"
+          + (f", fp8 matmul {mm8 / 1e12:.0f} TFLOP/s" if mm8 else "") + " (measured now)")
+    rows = fp8_kernel_rows() if args.fp8_kernels else []
+    tag = ("" if args.fp8 == "none" else f" fp8-{args.fp8}") + (" kv-fp8" if args.kv_cache_dtype == "fp8" else "")
     for name in args.models:
         moe = "moe" in MODELS[name]["model_type"]
-        llm = build(name, max_num_batched_tokens=4096, max_num_seqs=64, max_model_len=8192,
-                    gpu_memory_utilization=0.92, async_scheduling=args.async_scheduling)
+        llm = build(name, args.fp8, max_num_batched_tokens=4096, max_num_seqs=64, max_model_len=8192,
+                    gpu_memory_utilization=0.92, async_scheduling=args.async_scheduling,
+                    kv_cache_dtype=args.kv_cache_dtype)
         for batch in ([1] if moe else [1, 64]):
             t = time_decode(llm.engine, batch, args.context)
             wbytes = param_bytes(llm.engine.runner, MODELS[name]["num_experts_per_tok"] if moe else None)
             # bw counts bytes read + written, which is what HBM moves per second either way.
             floor = (wbytes + kv_bytes(llm.engine.runner, batch, args.context)) / bw
             what = (f"decode b={batch} ctx={args.context}" + (" async" if args.async_scheduling else "")
-                    + ("" if args.pdl else " no-pdl") + ("" if args.skinny_gemm else " cublas"))
+                    + ("" if args.pdl else " no-pdl") + ("" if args.skinny_gemm else " cublas") + tag)
             rows.append(dict(model=name, what=what, ms=t * 1e3,
                              floor_ms=floor * 1e3, of_floor=floor / t))
             print("measured:", rows[-1], flush=True)
@@ -191,8 +252,9 @@ def main() -> None:
             layer_params = sum(p.numel() for n, p in llm.engine.runner.model.named_parameters() if ".layers." in n)
             # GEMMs over every layer weight, plus causal attention (QK^T and PV over half the T x T scores).
             attn_flops = 4 * cfg["num_hidden_layers"] * cfg["hidden_size"] * T * T / 2
-            floor = (2 * layer_params * T + attn_flops) / mm
-            rows.append(dict(model=name, what="prefill 4096", ms=t * 1e3, floor_ms=floor * 1e3, of_floor=floor / t))
+            # FP8: the layer GEMMs at the FP8 matmul rate (attention stays bf16)
+            floor = 2 * layer_params * T / (mm8 if args.fp8 != "none" else mm) + attn_flops / mm
+            rows.append(dict(model=name, what="prefill 4096" + tag, ms=t * 1e3, floor_ms=floor * 1e3, of_floor=floor / t))
             print("measured:", rows[-1], flush=True)
         del llm
         torch.cuda.empty_cache()
@@ -201,7 +263,8 @@ def main() -> None:
         print(f"{r['model']:<15} {r['what']:<22} {r['ms']:>8.2f} {r['floor_ms']:>9.2f} {r['of_floor']:>9.0%}")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=dev, date=time.strftime("%Y-%m-%d"), copy_GBps=bw / 1e9,
-                                                  matmul_TFLOPs=mm / 1e12, rows=rows), indent=1))
+                                                  matmul_TFLOPs=mm / 1e12,
+                                                  fp8_matmul_TFLOPs=mm8 / 1e12 if mm8 else None, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,10 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    quantization: str | None = field(default=None, metadata={
+        "help": "fp8: quantize a bf16 checkpoint's linear and expert weights to FP8 at load (per-channel "
+                "weight scales, dynamic per-token activation scales). FP8 checkpoints are detected "
+                "from config.json without it"})
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,9 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "auto: the model's dtype; fp8: e4m3 (e4m3fnuz on MI300) with a per-tensor scale of 1.0, "
+                "half the KV bytes"})
 
 
 @dataclass(frozen=True)
@@ -149,10 +156,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(section.name)
         for f in dataclasses.fields(section.default_factory):
             flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help")
             if "bool" in str(f.type) or f.type is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             else:
-                group.add_argument(flag, type=_flag_type(f), default=None)
+                group.add_argument(flag, type=_flag_type(f), default=None, help=help_text)
     parser.add_argument("--kv-transfer-config", type=json.loads, default=None,
                         help='JSON, e.g. {"kv_connector": "TandemConnector", "kv_role": "kv_producer"}')
 

@@ -51,6 +51,11 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+# static activation / KV scales of FP8 checkpoints: activations are quantized per token at run time
+# and the FP8 KV cache uses a scale of 1.0 (engine/quantization.py)
+_UNUSED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
+
+
 def _default_loader(param: torch.nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
@@ -66,7 +71,7 @@ def load_weights(model: torch.nn.Module, model_dir: str) -> None:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 target = model.map_checkpoint_name(name)
-                if target is None:
+                if target is None or name.endswith(_UNUSED_SUFFIXES):
                     continue
                 pname, shard = target
                 param = params.get(pname)
@@ -91,5 +96,15 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
         if "norm" in name:
             param.data.fill_(1.0)
             continue
+        if getattr(param, "is_fp8_scale", False):  # with the fp8 weights below, N(0, 0.02) overall
+            param.data.fill_(_FP8_DUMMY_SCALE)
+            continue
         gen = gens.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
+        if param.dtype.itemsize == 1 and param.dtype.is_floating_point:
+            tmp = torch.empty(param.shape, dtype=torch.float16, device=param.device)
+            param.data.copy_(tmp.normal_(0.0, 0.02 / _FP8_DUMMY_SCALE, generator=gen).to(param.dtype))
+            continue
         param.data.normal_(0.0, 0.02, generator=gen)
+
+
+_FP8_DUMMY_SCALE = 0.02 / 16  # dummy fp8 weights of N(0, 16): within e4m3's range, N(0, 0.02) scaled

@@ -18,6 +18,7 @@ from tandem.engine.cuda_graphs import DecodeGraphs
 from tandem.engine.forward_context import ForwardContext
 from tandem.engine.loader import init_dummy_weights, load_weights
 from tandem.engine.models import model_class
+from tandem.engine.quantization import kv_cache_dtype, quantize_model
 from tandem.engine.parallel import expert_parallel, tp_size
 from tandem.engine.protocol import TokenLogprobs
 from tandem.engine.sampler import SamplingBatch, sample, token_logprobs
@@ -71,6 +72,7 @@ class ModelRunner:
         torch.manual_seed(config.model.seed)
         with torch.device(self.device), _default_dtype(self.dtype):
             self.model = model_class(hf_config)(hf_config, config.parallel)
+        quantize_model(self.model, hf_config, config.model.quantization)
         if config.model.load_format == "dummy":
             init_dummy_weights(self.model, config.model.seed)
         else:
@@ -95,7 +97,11 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         a = self.attention_layers[0]
-        return 2 * len(self.attention_layers) * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return 2 * len(self.attention_layers) * self.block_size * a.num_kv_heads * a.head_dim * self.kv_dtype.itemsize
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return kv_cache_dtype(self.config.cache.kv_cache_dtype, self.dtype, self.device)
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
@@ -166,11 +172,11 @@ class ModelRunner:
         a = self.attention_layers[0]
         # [k|v, layer, block, slot, kv head, head dim]: one tensor the KV connectors can register once.
         self.kv_cache = torch.zeros(2, len(self.attention_layers), self.num_blocks, self.block_size,
-                                    a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
+                                    a.num_kv_heads, a.head_dim, dtype=self.kv_dtype, device=self.device)
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s on %s)", self.num_blocks, self.block_size,
-                    self.kv_cache.numel() * self.dtype.itemsize / 2**30, self.dtype, self.device)
+                    self.kv_cache.numel() * self.kv_dtype.itemsize / 2**30, self.kv_dtype, self.device)
 
     def _graph_sizes(self) -> tuple[int, ...]:
         """Decode batch sizes that get a CUDA graph; () when graphs are off."""

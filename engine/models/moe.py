@@ -4,7 +4,7 @@ import re
 from tandem.engine.layers.moe import FusedMoE
 from tandem.engine.models.llama import CausalLM, DecoderLayer, LlamaAttention, LlamaMLP
 
-_EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.(weight|weight_scale_inv|weight_scale)$")
 # Per-expert checkpoint projection -> (our stacked parameter, part of w13: 0 gate, 1 up; None for w2)
 _EXPERT_PARTS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None),
                  "w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", None)}
@@ -16,7 +16,8 @@ class MoECausalLM(CausalLM):
         m = _EXPERT.search(name)
         if m:
             ours, part = _EXPERT_PARTS[m.group(2)]
-            return name[:m.start()] + "." + ours, (int(m.group(1)), part)
+            suffix = "" if m.group(3) == "weight" else "_scale"  # fp8 checkpoints (engine/layers/fp8.py)
+            return name[:m.start()] + "." + ours + suffix, (int(m.group(1)), part)
         if name.endswith(".experts.gate_up_proj"):  # transformers 5 fused layout, all experts
             return name.replace(".experts.gate_up_proj", ".w13"), None
         if name.endswith(".experts.down_proj"):

@@ -1,0 +1,226 @@
+"""FP8 linear and MoE layers: the bf16 layer classes with fp8 weights and the scales beside them.
+
+`quantize_layers(model, scheme)` runs once on a freshly built model, before its weights load: each
+linear layer or MoE block the scheme covers becomes its FP8 variant (a subclass of its own class,
+made once per class, as torch.nn.utils.parametrize does), which owns an fp8 `weight` (w13/w2) and
+its float32 scales and loads them from the checkpoint's tensors through the same sharding as the
+bf16 weight. MoE router gates stay bf16 (both published formats keep them so).
+
+While loading, a block-scaled weight's scales are held one row per output row ([N, Kb]; fused
+q/k/v and gate/up parts then need not start on a block boundary); per-tensor scales are expanded
+to rows. `process_weights_after_loading` folds rows back into blocks where the parts allow,
+quantizes online (`--quantization fp8`), and converts to e4m3fnuz on MI300.
+"""
+import functools
+
+import torch
+from torch import nn
+
+from tandem.engine.layers.linear import LinearBase
+from tandem.engine.layers.moe import FusedMoE
+from tandem.engine.parallel import tp_all_reduce, tp_rank, tp_size
+from tandem.engine.quantization import Fp8Scheme
+from tandem.kernels.fp8 import E4M3, e4m3fn_to_fnuz, fp8_dtype, fp8_linear, fused_experts_fp8, quantize_weight
+from tandem.kernels.linear import PendingNorm
+
+
+def _fp8_param(shape, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=E4M3, device=device), requires_grad=False)
+
+
+def _scale_param(shape, device) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=torch.float32, device=device), requires_grad=False)
+    p.is_fp8_scale = True  # (loader.init_dummy_weights gives it a plausible value)
+    return p
+
+
+def _rows(loaded: torch.Tensor, rows: int, bn: int | None) -> torch.Tensor:
+    """A checkpoint scale as one row per output row: [rows] (per-channel / per-tensor, bn None) or
+    [rows, Kb] (block grid [ceil(rows / bn), Kb])."""
+    loaded = loaded.float()
+    if bn is None:
+        if loaded.numel() == 1:
+            return loaded.reshape(1).expand(rows)
+        return loaded.reshape(-1)
+    return loaded.repeat_interleave(bn, dim=0)[:rows]
+
+
+def _fold_rows(scale: torch.Tensor, bn: int) -> tuple[torch.Tensor, int]:
+    """[..., N, Kb] row scales -> ([..., N / bn, Kb], bn) where every bn rows agree, else (scale, 1)."""
+    n = scale.shape[-2]
+    if bn > 1 and n % bn == 0:
+        folded = scale.unflatten(-2, (n // bn, bn))
+        if torch.equal(folded, folded[..., :1, :].expand_as(folded)):
+            return folded[..., 0, :].contiguous(), bn
+    return scale, 1
+
+
+def _to_platform(w: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if w.dtype == E4M3 and fp8_dtype(w.device.type) == torch.float8_e4m3fnuz:
+        return e4m3fn_to_fnuz(w, scale)
+    return w, scale
+
+
+class Fp8Linear:
+    """Mixin over a LinearBase class: weight [N, K] fp8, weight_scale per kernels/fp8.py (block
+    self.fp8_block)."""
+
+    def fp8_init(self, scheme: Fp8Scheme) -> None:
+        self.scheme = scheme
+        self.fp8_block = None if scheme.block is None else (1, scheme.block[1])
+        if scheme.online:
+            return  # the bf16 weight loads, then quantizes
+        n, k = self.weight.shape
+        loader = self.weight.weight_loader
+        self.weight = _fp8_param((n, k), self.weight.device)
+        self.weight.weight_loader = loader
+        shape = (n,) if scheme.block is None else (n, -(-k // scheme.block[1]))
+        scale = _scale_param(shape, self.weight.device)
+        scale.weight_loader = self.fp8_scale_loader
+        self.register_parameter(scheme.scale_name, scale)
+
+    def fp8_scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if self.tp_dim == 1 and self.scheme.block is not None and tp_size() > 1 and \
+                self.weight.shape[1] % self.scheme.block[1]:
+            raise ValueError(f"fp8: input size per rank {self.weight.shape[1]} is not a multiple of the "
+                             f"weight block {self.scheme.block[1]}; use another --tensor-parallel-size")
+        rows = param.shape[0] * (tp_size() if self.tp_dim == 0 else 1)
+        bn = None if self.scheme.block is None else self.scheme.block[0]
+        self.weight_loader(param, _rows(loaded, rows, bn), shard_id)
+
+    def process_weights_after_loading(self) -> None:
+        if self.scheme.online:
+            w, scale = quantize_weight(self.weight.data)
+        else:
+            w, scale = self.weight.data, getattr(self, self.scheme.scale_name).data
+            delattr(self, self.scheme.scale_name)
+            if self.scheme.block is not None:
+                scale, bn = _fold_rows(scale, self.scheme.block[0])
+                self.fp8_block = (bn, self.scheme.block[1])
+        w, scale = _to_platform(w, scale)
+        self.weight = nn.Parameter(w, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        if isinstance(x, PendingNorm):
+            x = x.normed()
+        row_parallel = self.tp_dim == 1 and tp_size() > 1
+        bias = None if row_parallel and tp_rank() else self.bias
+        y = fp8_linear(x, self.weight, self.weight_scale, self.fp8_block, bias)
+        return tp_all_reduce(y) if row_parallel else y
+
+    def forward_add_norm(self, x, residual, norm) -> None:
+        return None  # (the pending-norm GEMMs are bf16)
+
+
+class Fp8FusedMoE:
+    """Mixin over FusedMoE: w13 [E, 2I, H] and w2 [E, H, I] fp8, w13_scale / w2_scale per
+    kernels/fp8.py (block self.fp8_block); the experts run kernels.fp8.fused_experts_fp8."""
+
+    def fp8_init(self, scheme: Fp8Scheme) -> None:
+        self.scheme = scheme
+        self.fp8_block = None if scheme.block is None else (1, scheme.block[1])
+        self.experts = self.fp8_experts
+        if scheme.online:
+            return
+        for name in ("w13", "w2"):
+            old = getattr(self, name)
+            e, n, k = old.shape
+            new = _fp8_param((e, n, k), old.device)
+            new.weight_loader = self.weight_loader
+            setattr(self, name, new)
+            shape = (e, n) if scheme.block is None else (e, n, -(-k // scheme.block[1]))
+            scale = _scale_param(shape, old.device)
+            scale.weight_loader = self.fp8_scale_loader
+            self.register_parameter(name + "_scale", scale)
+
+    def fp8_scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """shard_id (expert, part) as FusedMoE.weight_loader: part 0 gate, 1 up (w13), None (w2)."""
+        if shard_id is None:
+            raise ValueError("fp8 experts: scales stacked over all experts are not supported; "
+                             "expected one scale tensor per expert and projection")
+        expert, part = shard_id
+        if expert not in self._local_index:
+            return
+        size, rank = self.intermediate_size, self.shard
+        bn = None if self.scheme.block is None else self.scheme.block[0]
+        dst = param.data[self._local_index[expert]]
+        if part is not None:
+            loaded = _rows(loaded, size * self.shards, bn).narrow(0, rank * size, size)
+            dst = dst.narrow(0, part * size, size)
+        else:
+            loaded = _rows(loaded, dst.shape[0], bn)
+            if bn is not None and self.shards > 1:
+                bk = self.scheme.block[1]
+                if size % bk:
+                    raise ValueError(f"fp8 experts: intermediate size per rank {size} is not a multiple of "
+                                     f"the weight block {bk}; use another --tensor-parallel-size")
+                loaded = loaded.narrow(1, rank * size // bk, size // bk)
+        if dst.shape != loaded.shape:
+            raise ValueError(f"fp8 experts: checkpoint scale has shape {tuple(loaded.shape)}, "
+                             f"expected {tuple(dst.shape)}")
+        dst.copy_(loaded)
+
+    def process_weights_after_loading(self) -> None:
+        bns = []
+        for name in ("w13", "w2"):
+            w = getattr(self, name).data
+            if self.scheme.online:
+                w, scale = quantize_weight(w)
+            else:
+                scale = getattr(self, name + "_scale").data
+                if self.scheme.block is not None:
+                    scale, bn = _fold_rows(scale, self.scheme.block[0])
+                    bns.append(bn)
+            w, scale = _to_platform(w, scale)
+            setattr(self, name, nn.Parameter(w, requires_grad=False))
+            setattr(self, name + "_scale", nn.Parameter(scale, requires_grad=False))
+        if bns and bns[0] != bns[1]:  # one block for both GEMMs: unfold the folded one
+            self.w13_scale.data = self.w13_scale.data.repeat_interleave(bns[0], dim=-2)
+            self.w2_scale.data = self.w2_scale.data.repeat_interleave(bns[1], dim=-2)
+            bns = [1, 1]
+        if bns:
+            self.fp8_block = (bns[0], self.scheme.block[1])
+
+    def fp8_experts(self, x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+        return fused_experts_fp8(x, w13, self.w13_scale, w2, self.w2_scale, topk_weights, topk_ids, self.fp8_block)
+
+
+@functools.cache
+def _fp8_class(cls: type, mixin: type) -> type:
+    return type("Fp8" + cls.__name__, (mixin, cls), {})
+
+
+def _checkpoint_name(name: str, module: nn.Module) -> str:
+    """A checkpoint module name of ours (fused q/k/v and gate/up by their first part)."""
+    if isinstance(module, FusedMoE):
+        return name + ".experts"
+    return name.replace(".qkv_proj", ".q_proj").replace(".gate_up_proj", ".gate_proj")
+
+
+def quantize_layers(model: nn.Module, scheme: Fp8Scheme) -> int:
+    """Turn every linear layer and MoE block the scheme covers into its FP8 variant, in place
+    (before weights load). Returns how many became FP8."""
+    gates = {id(m.gate) for m in model.modules() if isinstance(m, FusedMoE)}
+    count = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, FusedMoE):
+            mixin = Fp8FusedMoE
+        elif isinstance(module, LinearBase) and id(module) not in gates:
+            mixin = Fp8Linear
+        else:
+            continue
+        if scheme.ignores(_checkpoint_name(name, module)) or isinstance(module, (Fp8Linear, Fp8FusedMoE)):
+            continue
+        module.__class__ = _fp8_class(type(module), mixin)
+        module.fp8_init(scheme)
+        count += 1
+    if count:  # a bf16 layer left among fp8 ones must not hand a pending norm to an fp8 GEMM
+        for module in model.modules():
+            if isinstance(module, LinearBase) and not isinstance(module, Fp8Linear):
+                module.forward_add_norm = _no_pending_norm
+    return count
+
+
+def _no_pending_norm(*args) -> None:
+    return None

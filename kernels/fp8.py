@@ -1,0 +1,140 @@
+"""FP8 (e4m3) linear layers and MoE experts: quantization helpers, plain-torch references
+(dequantize then matmul, with the activations quantized as the kernels quantize them) and the
+dispatchers that pick the Triton kernels (kernels/triton/fp8.py) on GPUs with FP8.
+
+Weight layouts (w: [N, K] in the fp8 dtype, scales float32, w ~= w_fp8 * scale), named by
+`block` = None or (bn, bk):
+  per-channel (block None): w_scale [N]: one scale per output row; activations one per token.
+  block (bn, bk):           w_scale [ceil(N / bn), ceil(K / bk)] (bn may be 1: a scale per row
+                            and K block); activations one scale per token and group of bk columns.
+Experts stack the same per expert: w13 [E, 2I, H] with w13_scale [E, 2I] or [E, 2I/bn, H/bk].
+"""
+import functools
+
+import torch
+
+from tandem.kernels.activation import silu_and_mul_ref
+from tandem.kernels.backend import use_triton
+
+E4M3 = torch.float8_e4m3fn
+
+
+@functools.cache
+def fp8_dtype(device_type: str = "cuda") -> torch.dtype:
+    """The e4m3 variant this platform computes in: float8_e4m3fnuz on MI300 (gfx94x), else the OCP
+    float8_e4m3fn (NVIDIA, CPU, MI350)."""
+    if device_type == "cuda" and torch.version.hip is not None and torch.cuda.is_available():
+        if "gfx94" in torch.cuda.get_device_properties(0).gcnArchName:
+            return torch.float8_e4m3fnuz
+    return E4M3
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def has_fp8_compute(device: torch.device) -> bool:
+    """Whether the GPU has FP8 tensor cores (NVIDIA compute capability >= 8.9, MI300 and newer)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if torch.version.hip is not None:
+        arch = torch.cuda.get_device_properties(device).gcnArchName
+        return "gfx94" in arch or "gfx95" in arch
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def e4m3fn_to_fnuz(w: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same values in e4m3fnuz: its bits read as fnuz are half the value (exponent bias 8, not 7),
+    so the scale doubles; the fn pattern 0x80 (-0) is NaN in fnuz and becomes 0."""
+    bits = w.view(torch.int8).clone()
+    bits[bits == -128] = 0
+    return bits.view(torch.float8_e4m3fnuz), scale * 2.0
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype = E4M3, group: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic activation quantization. x: [M, K] -> (x_fp8 [M, K], scale [M, G] float32), G = 1
+    (per token) or ceil(K / group) (per token and group of columns); scale = amax / fp8 max."""
+    m, k = x.shape
+    g = group or k
+    pad = (-k) % g
+    xf = torch.nn.functional.pad(x.float(), (0, pad)).view(m, -1, g)
+    scale = (xf.abs().amax(dim=2) / fp8_max(dtype)).clamp(min=1e-12)
+    q = (xf / scale[:, :, None]).clamp(-fp8_max(dtype), fp8_max(dtype)).to(dtype)
+    return q.view(m, -1)[:, :k], scale
+
+
+def quantize_weight(w: torch.Tensor, dtype: torch.dtype = E4M3, block: tuple[int, int] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [..., N, K] -> (w_fp8, scale): per output row ([..., N]) or per (bn, bk) block
+    ([..., ceil(N/bn), ceil(K/bk)]); scale = amax / fp8 max (the layouts in the module docstring)."""
+    n, k = w.shape[-2:]
+    bn, bk = block or (1, k)
+    wf = torch.nn.functional.pad(w.float(), (0, (-k) % bk, 0, (-n) % bn))
+    blocks = wf.view(*w.shape[:-2], wf.shape[-2] // bn, bn, wf.shape[-1] // bk, bk)
+    scale = (blocks.abs().amax(dim=(-3, -1)) / fp8_max(dtype)).clamp(min=1e-12)
+    q = (blocks / scale[..., :, None, :, None]).clamp(-fp8_max(dtype), fp8_max(dtype)).to(dtype)
+    q = q.view(wf.shape)[..., :n, :k].contiguous()
+    return q, (scale if block else scale[..., 0])
+
+
+def dequantize_weight(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """w: [..., N, K] fp8; scale [..., N] (block None) or [..., Nb, Kb] -> [..., N, K] float32."""
+    n, k = w.shape[-2:]
+    if block is None:
+        return w.float() * scale[..., None].float()
+    full = scale.float().repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
+    return w.float() * full[..., :n, :k]
+
+
+def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., K] (bf16/fp16/fp32); w: [N, K] fp8; w_scale and block per the module docstring ->
+    [..., N] in x.dtype. x is quantized dynamically (per token, or per token and K block) like the
+    kernels do, then both sides are dequantized and multiplied in float32."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = quantize_rows(x2, w.dtype, block[1] if block else None)
+    xd = xq.float() * xs.repeat_interleave(block[1] if block else x2.shape[1], dim=1)[:, :x2.shape[1]]
+    y = xd @ dequantize_weight(w, w_scale, block).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8_linear_ref's contract; the Triton FP8 GEMM on GPUs with FP8, else the reference (a GPU
+    without FP8 runs the reference too: dequantize then matmul)."""
+    if use_triton(x) and has_fp8_compute(x.device):
+        from tandem.kernels.triton.fp8 import fp8_linear_triton
+        y = fp8_linear_triton(x.reshape(-1, x.shape[-1]), w, w_scale, block).view(*x.shape[:-1], w.shape[0])
+        return y if bias is None else y + bias
+    return fp8_linear_ref(x, w, w_scale, block, bias)
+
+
+def fused_experts_fp8_ref(
+    x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, block: tuple[int, int] | None,
+) -> torch.Tensor:
+    """kernels.moe.fused_experts_ref with fp8 experts: x [T, H]; w13 [E, 2I, H], w2 [E, H, I] fp8
+    with their scales (module docstring). Each expert GEMM is fp8_linear_ref. -> [T, H] x.dtype."""
+    out = torch.zeros_like(x, dtype=torch.float32)
+    for e in torch.unique(topk_ids[topk_ids >= 0]).tolist():
+        token_idx, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        h = silu_and_mul_ref(fp8_linear_ref(x[token_idx], w13[e], w13_scale[e], block))
+        h = fp8_linear_ref(h, w2[e], w2_scale[e], block)
+        w = topk_weights[token_idx, slot].to(x.dtype)
+        out.index_add_(0, token_idx, (h * w[:, None]).float())
+    return out.to(x.dtype)
+
+
+def fused_experts_fp8(
+    x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, block: tuple[int, int] | None,
+) -> torch.Tensor:
+    """fused_experts_fp8_ref's contract; the Triton FP8 grouped GEMMs on GPUs with FP8."""
+    if use_triton(x) and has_fp8_compute(x.device):
+        from tandem.kernels.triton.fp8 import fused_experts_fp8_triton
+        return fused_experts_fp8_triton(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
+                                        block)
+    return fused_experts_fp8_ref(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, block)

@@ -1,0 +1,262 @@
+"""FP8 GEMMs in Triton: y = (x quantized per token (group)) @ (w fp8 with its scales).T, on the
+FP8 tensor cores (e4m3 on NVIDIA sm_89+, e4m3fnuz on MI300), for dense layers and MoE experts.
+
+Same contracts and layouts as kernels/fp8.py (fp8_linear_ref, fused_experts_fp8_ref):
+  activations: a [M, K] fp8 with a_s [M, G] float32, G = 1 (per token) or ceil(K / bk)
+  weights:     w [N, K] fp8 (experts [E, N, K]) with w_s [N] (per channel) or [ceil(N / bn),
+               ceil(K / bk)] (block), experts stacked on a leading dim
+Block-scaled: each K tile (BLOCK_K divides bk) adds dot(a, w) * a_s[:, kb] * w_s[n // bn, kb] to a
+float32 accumulator; per-channel: one dot over K, scaled by a_s * w_s at the end.
+Tiles: a skinny decode tile for <= 16 rows (BLOCK_M 16, narrow N strips so every SM streams
+weight), wider prefill tiles above. The MoE experts reuse the bf16 kernel's grouping of
+(token, slot) pairs by expert and its top-k sum (kernels/triton/moe.py).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from tandem.kernels.triton.moe import _align, _sum_topk
+
+SKINNY_ROWS = 16
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, G, fp8_max,
+                       GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, group): s = amax(|x|) / fp8_max over the group's GROUP columns, q = x / s."""
+    row = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1)
+    lo = grp * GROUP
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, GROUP, BLOCK):
+        cols = lo + c0 + tl.arange(0, BLOCK)
+        mask = (cols < K) & (c0 + tl.arange(0, BLOCK) < GROUP)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0) / fp8_max, 1e-12)
+    tl.store(s_ptr + row * G + grp, scale)
+    for c0 in range(0, GROUP, BLOCK):
+        cols = lo + c0 + tl.arange(0, BLOCK)
+        mask = (cols < K) & (c0 + tl.arange(0, BLOCK) < GROUP)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.fp8.quantize_rows on the GPU. x: [M, K] -> (q [M, K] dtype, s [M, G] float32)."""
+    m, k = x.shape
+    group = group or k
+    g = triton.cdiv(k, group)
+    q = torch.empty(m, k, device=x.device, dtype=dtype)
+    s = torch.empty(m, g, device=x.device, dtype=torch.float32)
+    if m:
+        block = min(1024, triton.next_power_of_2(group))
+        _quant_rows_kernel[(m, g)](x, q, s, k, x.stride(0), q.stride(0), g, float(torch.finfo(dtype).max),
+                                   GROUP=group, BLOCK=block, num_warps=4)
+    return q, s
+
+
+@triton.jit
+def _scaled_dot_loop(a_ptrs, w_ptrs, as_ptrs, ws_ptrs, row_mask, n_mask, K, k_tiles_per_group,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PER_CHANNEL: tl.constexpr, EVEN_K: tl.constexpr):
+    """sum over K of a @ w (a tile [BLOCK_M, BLOCK_K], w tile [BLOCK_K, BLOCK_N], both fp8), each K
+    tile times its scales (block) or none (PER_CHANNEL: the caller scales the sum)."""
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = (rk < K - kt * BLOCK_K) | EVEN_K
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        if PER_CHANNEL:
+            acc = tl.dot(a, w, acc)
+        else:
+            kb = kt // k_tiles_per_group
+            a_s = tl.load(as_ptrs + kb, mask=row_mask, other=0.0)
+            w_s = tl.load(ws_ptrs + kb, mask=n_mask, other=0.0)
+            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_am, stride_asm, stride_wn,
+                     stride_wsn, stride_om, rows_per_scale, k_tiles_per_group,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PER_CHANNEL: tl.constexpr, EVEN_K: tl.constexpr):
+    """out [M, N] = a @ w.T with the scales (module docstring); program (N tile, M tile), N fastest."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rm < M
+    n_mask = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    rm64, rn64 = rm.to(tl.int64), rn.to(tl.int64)
+    a_ptrs = a_ptr + rm64[:, None] * stride_am + rk[None, :]
+    w_ptrs = w_ptr + rn64[None, :] * stride_wn + rk[:, None]
+    as_ptrs = as_ptr + rm64 * stride_asm
+    ws_ptrs = ws_ptr + (rn64 // rows_per_scale) * stride_wsn
+    acc = _scaled_dot_loop(a_ptrs, w_ptrs, as_ptrs, ws_ptrs, row_mask, n_mask, K, k_tiles_per_group,
+                           BLOCK_M, BLOCK_N, BLOCK_K, PER_CHANNEL, EVEN_K)
+    if PER_CHANNEL:
+        acc *= tl.load(as_ptrs, mask=row_mask, other=0.0)[:, None] * tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
+    tl.store(out_ptr + rm64[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & n_mask[None, :])
+
+
+def gemm_config(m: int, n: int, block_k: int | None) -> dict:
+    """Tile plan: the skinny decode tile for <= 16 rows, prefill tiles above (BLOCK_K divides the
+    weight's K block)."""
+    bk = min(128, block_k) if block_k else 128
+    if m <= SKINNY_ROWS:
+        return dict(BLOCK_M=16, BLOCK_N=32 if n <= 8192 else 64, BLOCK_K=bk, num_warps=4, num_stages=4)
+    if m <= 128:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=bk, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk, num_warps=8, num_stages=3)
+
+
+def _check_block(block: tuple[int, int] | None) -> None:
+    if block is not None and (block[1] < 16 or block[1] & (block[1] - 1)):
+        raise ValueError(f"fp8 Triton GEMM: the weight's K block {block[1]} must be a power of two >= 16")
+
+
+def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
+                      cfg: dict | None = None) -> torch.Tensor:
+    """kernels.fp8.fp8_linear_ref on the GPU (no bias). x: [M, K] bf16/fp16; w: [N, K] fp8 -> [M, N]."""
+    _check_block(block)
+    m, k = x.shape
+    n = w.shape[0]
+    xq, xs = quantize_rows_triton(x, w.dtype, block[1] if block else None)
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return out
+    cfg = cfg or gemm_config(m, n, block[1] if block else None)
+    meta = {key: cfg[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
+    w_scale = w_scale.contiguous()
+    grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))
+    _fp8_gemm_kernel[grid](
+        xq, xs, w, w_scale, out, m, n, k, xq.stride(0), xs.stride(0), w.stride(0),
+        w_scale.stride(0) if block else 1, out.stride(0), block[0] if block else 1,
+        block[1] // meta["BLOCK_K"] if block else 1, PER_CHANNEL=block is None,
+        EVEN_K=k % meta["BLOCK_K"] == 0, **meta)
+    return out
+
+
+@triton.jit
+def _fp8_grouped_gemm_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, topk_w_ptr,
+    N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, num_n_tiles,
+    num_experts, rows_per_scale, k_tiles_per_group,
+    TOP_K: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """The bf16 _grouped_gemm_kernel's grouped contract (kernels/triton/moe.py, without its decode
+    fusions) on fp8 operands: out[rows] = a[rows] @ w[e].T for one expert block of BLOCK_M rows.
+    GATHER_A: row = x[pair // TOP_K]; GATED: w[e] is [gate | up], out = silu(gate) * up;
+    SCATTER_OUT: row -> out[pair] * topk_w[pair]."""
+    pid = tl.program_id(0)
+    block = pid // num_n_tiles
+    pid_n = pid % num_n_tiles
+    expert = tl.load(block_expert_ptr + block)
+    if (expert < 0) | (expert >= num_experts):
+        return
+    rm = tl.arange(0, BLOCK_M)
+    row_mask = rm < tl.load(block_rows_ptr + block)
+    own_row = block.to(tl.int64) * BLOCK_M + rm
+    pair = tl.load(sorted_ptr + own_row, mask=row_mask, other=0).to(tl.int64)
+    a_row = pair // TOP_K if GATHER_A else own_row
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    e64 = expert.to(tl.int64)
+    rn64 = rn.to(tl.int64)
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + rk[None, :]
+    as_ptrs = as_ptr + a_row * stride_asm
+    w_ptrs = w_ptr + e64 * stride_we + rn64[None, :] * stride_wn + rk[:, None]
+    ws_ptrs = ws_ptr + e64 * stride_wse + (rn64 // rows_per_scale) * stride_wsn
+    acc = _scaled_dot_loop(a_ptrs, w_ptrs, as_ptrs, ws_ptrs, row_mask, n_mask, K, k_tiles_per_group,
+                           BLOCK_M, BLOCK_N, BLOCK_K, PER_CHANNEL, EVEN_K)
+    out_ty = out_ptr.dtype.element_ty
+    a_s = tl.load(as_ptrs, mask=row_mask, other=0.0)[:, None]
+    if PER_CHANNEL:
+        acc *= a_s * tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
+    if GATED:  # rounded like the reference: silu(gate) * up on out-dtype values
+        up_ws = ws_ptr + e64 * stride_wse + ((rn64 + N) // rows_per_scale) * stride_wsn
+        up = _scaled_dot_loop(a_ptrs, w_ptrs + N * stride_wn, as_ptrs, up_ws, row_mask, n_mask, K,
+                              k_tiles_per_group, BLOCK_M, BLOCK_N, BLOCK_K, PER_CHANNEL, EVEN_K)
+        if PER_CHANNEL:
+            up *= a_s * tl.load(up_ws, mask=n_mask, other=0.0)[None, :]
+        gate = acc.to(out_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+        acc = act * up.to(out_ty).to(tl.float32)
+    if SCATTER_OUT:
+        weight = tl.load(topk_w_ptr + pair, mask=row_mask, other=0.0).to(out_ty).to(tl.float32)
+        acc = acc.to(out_ty).to(tl.float32) * weight[:, None]
+        out_row = pair
+    else:
+        out_row = own_row
+    tl.store(out_ptr + out_row[:, None] * stride_om + rn[None, :], acc.to(out_ty),
+             mask=row_mask[:, None] & n_mask[None, :])
+
+
+def moe_config(num_pairs: int, num_experts: int, block_k: int | None) -> dict:
+    """Tile plan by rows per expert (as kernels/triton/moe.py's), BLOCK_K dividing the K block."""
+    bk = min(128, block_k) if block_k else 128
+    rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
+    if rows_per_expert <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=bk, num_warps=4, num_stages=4)
+    if rows_per_expert <= 64:
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=bk, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=bk, num_warps=8, num_stages=3)
+
+
+def _grouped(a, a_s, w, w_s, out, grouping, block, top_k, cfg, gather, gated, scatter, topk_w):
+    sorted_pairs, block_expert, block_rows, num_blocks = grouping
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    k = w.shape[2]
+    meta = {key: cfg[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
+    n_tiles = triton.cdiv(n, meta["BLOCK_N"])
+    _fp8_grouped_gemm_kernel[(num_blocks * n_tiles,)](
+        a, a_s, w, w_s, out, sorted_pairs, block_expert, block_rows, topk_w,
+        n, k, a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), w_s.stride(0),
+        w_s.stride(1) if block else 1, out.stride(0), n_tiles, w.shape[0], block[0] if block else 1,
+        block[1] // meta["BLOCK_K"] if block else 1,
+        TOP_K=top_k, GATHER_A=gather, SCATTER_OUT=scatter, GATED=gated, PER_CHANNEL=block is None,
+        EVEN_K=k % meta["BLOCK_K"] == 0, **meta)
+
+
+def fused_experts_fp8_triton(
+    x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, block: tuple[int, int] | None,
+    cfg: dict | None = None,
+) -> torch.Tensor:
+    """kernels.fp8.fused_experts_fp8_ref on the GPU: quantize x -> grouped GEMM w13 + SiLU-mul ->
+    quantize -> grouped GEMM w2 (weighted, per pair) -> top-k sum. x: [T, H] -> [T, H] x.dtype."""
+    _check_block(block)
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
+    cfg = cfg or moe_config(num_pairs, num_experts, block[1] if block else None)
+    block_m = cfg["BLOCK_M"]
+    num_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    grouping = (*_align(topk_ids, num_experts, block_m, num_blocks), num_blocks)
+    group = block[1] if block else None
+    xq, xs = quantize_rows_triton(x.contiguous(), w13.dtype, group)
+    act = torch.empty(num_blocks * block_m, inter, device=x.device, dtype=x.dtype)
+    _grouped(xq, xs, w13, w13_scale.contiguous(), act, grouping, block, top_k, cfg, True, True, False, topk_weights)
+    aq, as_ = quantize_rows_triton(act, w2.dtype, group)
+    pair_out = torch.empty(num_pairs, hidden, device=x.device, dtype=x.dtype)
+    _grouped(aq, as_, w2, w2_scale.contiguous(), pair_out, grouping, block, top_k, cfg, False, False, True,
+             topk_weights)
+    _sum_topk(pair_out, topk_ids, out, num_experts, min(1024, triton.next_power_of_2(hidden)),
+              (out, out, out, out), False)
+    return out

@@ -1,0 +1,55 @@
+"""FP8 on a GPU (`-m gpu`): tiny FP8 checkpoints, online FP8 and the FP8 KV cache through the engine
+(Triton FP8 GEMMs, fp8 fused experts, fp8 paged attention, CUDA graphs) against HF float32 on the
+dequantized weights. bf16 activations: a looser bound than the CPU tests' (tests/engine/test_fp8.py)."""
+import pytest
+import torch
+
+from tandem.engine import LLM, SamplingParams
+from tests.engine.fp8_writer import write_fp8_checkpoint
+from tests.engine.test_fp8 import PROMPTS, _reference
+
+pytestmark = pytest.mark.gpu
+GPU_TOL = 0.15  # |logprob| difference: bf16 activations and fp8 activations on top of the CPU test's error
+
+
+def _needs_fp8():
+    from tandem.kernels.fp8 import has_fp8_compute
+    if not torch.cuda.is_available() or not has_fp8_compute(torch.device("cuda")):
+        pytest.skip("needs a GPU with FP8")
+
+
+def _check(llm: LLM, ref_model) -> None:
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=1))
+    for prompt, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            ref_lp = ref_model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        for j in range(1, len(prompt)):
+            assert abs(out.prompt_logprobs[j].logprobs[0] - ref_lp[j - 1, prompt[j]].item()) < GPU_TOL
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("fmt", ["hf_block", "ct_channel"])
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_fp8_engine_gpu(tiny_models, tmp_path, arch, fmt, kv):
+    _needs_fp8()
+    src = tiny_models[arch][0]
+    tensors = write_fp8_checkpoint(src, tmp_path / "fp8", fmt)
+    llm = LLM(str(tmp_path / "fp8"), device="cuda", dtype="bfloat16", block_size=16, kv_cache_dtype=kv,
+              gpu_memory_utilization=0.3)
+    _check(llm, _reference(tmp_path, src, tensors))
+    # decode steps (CUDA graphs, skinny tiles) agree with eager decode
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eager = LLM(str(tmp_path / "fp8"), device="cuda", dtype="bfloat16", block_size=16, kv_cache_dtype=kv,
+                gpu_memory_utilization=0.3, enforce_eager=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [o.token_ids for o in eager.generate(PROMPTS, params)]
+
+
+def test_online_fp8_and_dummy_gpu(tiny_models, tmp_path):
+    _needs_fp8()
+    src = tiny_models["qwen3_moe"][0]
+    tensors = write_fp8_checkpoint(src, tmp_path / "same", "ct_channel")
+    llm = LLM(src, device="cuda", dtype="bfloat16", quantization="fp8", gpu_memory_utilization=0.3)
+    _check(llm, _reference(tmp_path, src, tensors))
+    dummy = LLM(str(tmp_path / "same"), device="cuda", dtype="bfloat16", load_format="dummy",
+                gpu_memory_utilization=0.3)
+    assert len(dummy.generate([PROMPTS[0]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4

@@ -1,0 +1,81 @@
+"""GSM8K loglikelihood accuracy with FP8: the default model quantized at load (--quantization fp8)
+with an FP8 KV cache, against the same model unquantized (CPU, float32 activations).
+
+Reference: the unquantized server's lm-eval `gsm8k_tandem_ll` accuracy on the same docs; FP8 must
+be within ACC_TOL. The full task (1319 docs) is the criterion and is marked slow; a subset runs
+the same check with a looser bound, as one flipped doc moves a small subset's accuracy a lot.
+"""
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from benchmarks.lm_eval.task_dir import write_task_dir
+from tandem.engine.config import DEFAULT_MODEL_DIR
+from tests.ports import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TASK, METRIC = "gsm8k_tandem_ll", "acc,none"
+ACC_TOL = 0.02
+FP8_FLAGS = ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]
+
+
+@contextmanager
+def _server(extra: list[str], log_path: Path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "tandem.server", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+           "--dtype", "float32", "--max-num-seqs", "16", *extra]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not healthy after 180 s:\n{log_path.read_text()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def gsm8k_ll_accuracy(extra: list[str], limit: int | None, tmp: Path) -> float:
+    """lm-eval `local-completions` against a server started with `extra` flags."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    tasks = TaskManager(include_path=str(write_task_dir(tmp / "tasks")), include_defaults=False)
+    with _server(extra, tmp / f"server{len(extra)}.log") as url:
+        args = {"model": Path(DEFAULT_MODEL_DIR).name, "base_url": f"{url}/v1/completions",
+                "tokenizer": DEFAULT_MODEL_DIR, "tokenizer_backend": "huggingface", "tokenized_requests": False,
+                "num_concurrent": 8, "max_retries": 1}
+        out = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=[TASK], limit=limit,
+                                      batch_size=1, task_manager=tasks, bootstrap_iters=0)
+    return out["results"][TASK][METRIC]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(7200)  # two servers over the task on CPU
+@pytest.mark.parametrize("limit,tol", [pytest.param(None, ACC_TOL, id="full"), pytest.param(40, 0.05, id="subset40")])
+def test_fp8_gsm8k_loglikelihood_close_to_unquantized(tmp_path, limit, tol):
+    base = gsm8k_ll_accuracy([], limit, tmp_path)
+    fp8 = gsm8k_ll_accuracy(FP8_FLAGS, limit, tmp_path)
+    print(f"gsm8k_tandem_ll acc (limit={limit}): unquantized {base:.4f}, fp8 weights + fp8 KV {fp8:.4f}")
+    assert abs(fp8 - base) <= tol, f"fp8 {fp8:.4f} vs unquantized {base:.4f} (tolerance {tol})"
