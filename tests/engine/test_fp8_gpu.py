@@ -8,6 +8,8 @@ from tandem.engine import LLM, SamplingParams
 from tests.engine.fp8_writer import write_fp8_checkpoint
 from tests.engine.test_fp8 import PROMPTS, _reference
 
+KV_BYTES = 1 << 28  # each engine gets its own KV budget: earlier engines of the session still hold memory
+
 pytestmark = pytest.mark.gpu
 GPU_TOL = 0.15  # |logprob| difference: bf16 activations and fp8 activations on top of the CPU test's error
 
@@ -35,12 +37,12 @@ def test_fp8_engine_gpu(tiny_models, tmp_path, arch, fmt, kv):
     src = tiny_models[arch][0]
     tensors = write_fp8_checkpoint(src, tmp_path / "fp8", fmt)
     llm = LLM(str(tmp_path / "fp8"), device="cuda", dtype="bfloat16", block_size=16, kv_cache_dtype=kv,
-              gpu_memory_utilization=0.3)
+              kv_cache_memory_bytes=KV_BYTES)
     _check(llm, _reference(tmp_path, src, tensors))
     # decode steps (CUDA graphs, skinny tiles) agree with eager decode
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     eager = LLM(str(tmp_path / "fp8"), device="cuda", dtype="bfloat16", block_size=16, kv_cache_dtype=kv,
-                gpu_memory_utilization=0.3, enforce_eager=True)
+                kv_cache_memory_bytes=KV_BYTES, enforce_eager=True)
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [o.token_ids for o in eager.generate(PROMPTS, params)]
 
 
@@ -48,8 +50,8 @@ def test_online_fp8_and_dummy_gpu(tiny_models, tmp_path):
     _needs_fp8()
     src = tiny_models["qwen3_moe"][0]
     tensors = write_fp8_checkpoint(src, tmp_path / "same", "ct_channel")
-    llm = LLM(src, device="cuda", dtype="bfloat16", quantization="fp8", gpu_memory_utilization=0.3)
+    llm = LLM(src, device="cuda", dtype="bfloat16", quantization="fp8", kv_cache_memory_bytes=KV_BYTES)
     _check(llm, _reference(tmp_path, src, tensors))
     dummy = LLM(str(tmp_path / "same"), device="cuda", dtype="bfloat16", load_format="dummy",
-                gpu_memory_utilization=0.3)
+                kv_cache_memory_bytes=KV_BYTES)
     assert len(dummy.generate([PROMPTS[0]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
