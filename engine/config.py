@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.kernels.config import KernelConfig
+
 DEFAULT_MODEL_DIR = str(Path(__file__).parent / "default_model")
 
 
@@ -111,6 +113,9 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    # Kernel and decode-path choices (PDL, skinny GEMMs, fusions): defined in kernels/config.py,
+    # which imports nothing of ours, and handed to every layer at construction.
+    kernel: KernelConfig = field(default_factory=KernelConfig)
 
     @classmethod
     def create(cls, **kwargs) -> "EngineConfig":
@@ -147,9 +152,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(section.default_factory):
             flag = "--" + f.name.replace("_", "-")
             if "bool" in str(f.type) or f.type is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                   help=f.metadata.get("help"))
             else:
-                group.add_argument(flag, type=_flag_type(f), default=None)
+                group.add_argument(flag, type=_flag_type(f), default=None, help=f.metadata.get("help"))
     parser.add_argument("--kv-transfer-config", type=json.loads, default=None,
                         help='JSON, e.g. {"kv_connector": "TandemConnector", "kv_role": "kv_producer"}')
 

@@ -70,7 +70,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         torch.manual_seed(config.model.seed)
         with torch.device(self.device), _default_dtype(self.dtype):
-            self.model = model_class(hf_config)(hf_config, config.parallel)
+            self.model = model_class(hf_config)(hf_config, config.parallel, config.kernel)
         if config.model.load_format == "dummy":
             init_dummy_weights(self.model, config.model.seed)
         else:
@@ -288,7 +288,7 @@ class ModelRunner:
         sampled = {}
         if sample_reqs:
             batch = SamplingBatch.build(sample_reqs, self.vocab_size, self.device)
-            tokens, logprobs = sample(logits[:len(sample_reqs)], batch, eos_token_ids)
+            tokens, logprobs = sample(logits[:len(sample_reqs)], batch, eos_token_ids, self.config.kernel)
             for i, (req, tok) in enumerate(zip(sample_reqs, tokens.tolist())):
                 sampled[req.request_id] = SampledToken(tok, logprobs[i] if logprobs else None)
         prompt_logprobs, row = {}, len(sample_reqs)
@@ -311,7 +311,7 @@ class ModelRunner:
         assert not prompt_spans
         if sample_reqs:
             batch = SamplingBatch.build(sample_reqs, self.vocab_size, self.device)
-            tokens, _ = sample(logits[:len(sample_reqs)], batch, eos_token_ids)
+            tokens, _ = sample(logits[:len(sample_reqs)], batch, eos_token_ids, self.config.kernel)
         else:  # prompt chunks only
             tokens = torch.empty(0, dtype=torch.long, device=logits.device)
         host, ready = tokens, None

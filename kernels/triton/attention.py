@@ -46,7 +46,7 @@ def _store_kvcache_kernel(
 
 def store_kvcache_triton(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor, pdl: bool = True,
 ) -> None:
     """key, value: [T, Hk, D]; slot_mapping: [T] int (negative = padding, not stored)."""
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -62,7 +62,7 @@ def store_kvcache_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         num_kv_heads, head_dim,
         PAGE=k_cache.shape[1], H_PAD=triton.next_power_of_2(num_kv_heads),
-        D_PAD=triton.next_power_of_2(head_dim), num_warps=4, **launch_args(key),
+        D_PAD=triton.next_power_of_2(head_dim), num_warps=4, **launch_args(key, pdl),
     )
 
 
@@ -380,6 +380,7 @@ def paged_attention_triton(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
     max_query_len: int | None = None, max_seq_len: int | None = None,
     dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope: "NewTokens | None" = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hk, D]; block_tables: [S, max_blocks] int32;
     seq_lens: [S] (context incl. the new tokens); query_start_loc: [S+1]. Returns [T, Hq, D].
@@ -393,12 +394,13 @@ def paged_attention_triton(
     kernels.rotary.rotary_store_kvcache would have done in a launch of its own.
     """
     return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                            max_query_len, max_seq_len, dense_kv=dense_kv, rope=rope)
+                            max_query_len, max_seq_len, dense_kv=dense_kv, rope=rope, pdl=pdl)
 
 
 def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                      max_query_len=None, max_seq_len=None, plan: dict | None = None,
-                     dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope=None):
+                     dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope=None,
+                     pdl: bool = True):
     """paged_attention_triton with an optional explicit launch plan (benchmark sweeps)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
@@ -458,12 +460,12 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             BT_SCALAR=p.get("BT_SCALAR", False) and p["BLOCK_N"] % page == 0,
             ROPE=rope is not None, QK_NORM=rope is not None and rope.qk_norm is not None,
             ROT=rope.cos_sin_cache.shape[-1] if rope is not None else 0,
-            num_warps=p["num_warps"], num_stages=p["num_stages"], **launch_args(q),
+            num_warps=p["num_warps"], num_stages=p["num_stages"], **launch_args(q, pdl),
         )
         if splits > 1:
             _merge_splits_kernel[(num_tokens, num_heads)](
                 out, part_acc, part_ml, query_start_loc, seq_lens, num_seqs, p["Q_RANGE"][1], head_dim,
                 out.stride(0), out.stride(1), NUM_SPLITS=splits, D_PAD=d_pad, BLOCK_Q=block_q,
-                BLOCK_N=p["BLOCK_N"], num_warps=4, **launch_args(q),
+                BLOCK_N=p["BLOCK_N"], num_warps=4, **launch_args(q, pdl),
             )
     return out

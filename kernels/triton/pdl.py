@@ -19,26 +19,18 @@ import torch
 import triton
 import triton.language as tl
 
-_enabled = True
-
-
-def set_enabled(enabled: bool) -> None:
-    """Turn PDL on or off for launches from now on (benchmarks compare both; graphs captured
-    before keep what they captured)."""
-    global _enabled
-    _enabled = enabled
-
 
 @functools.cache
 def _supported(device_index: int) -> bool:
     return torch.version.cuda is not None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def launch_args(t: torch.Tensor) -> dict:
+def launch_args(t: torch.Tensor, pdl: bool) -> dict:
     """Keyword arguments for a launch of one of our kernels on t's device: the PDL flag the
-    kernel passes to wait_previous, and Triton's launch_pdl where it is on."""
-    on = _enabled and t.is_cuda and _supported(t.device.index if t.device.index is not None else
-                                               torch.cuda.current_device())
+    kernel passes to wait_previous, and Triton's launch_pdl where it is on (pdl: KernelConfig.pdl,
+    and the GPU has it)."""
+    on = pdl and t.is_cuda and _supported(t.device.index if t.device.index is not None else
+                                          torch.cuda.current_device())
     return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
 
 
