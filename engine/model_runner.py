@@ -332,7 +332,7 @@ class ModelRunner:
 
 def _block_row(req) -> np.ndarray:
     """req.block_ids as int32, converted once per new block instead of once per step (building
-    a step's block table from Python lists took ~5 ms at 256 sequences x 256 blocks). Cached on
+    a step's block table from Python lists cost milliseconds at 256 sequences x 256 blocks). Cached on
     the request with the list object it mirrors: block_ids only grows in place, and a freed or
     preempted request gets a new list."""
     ids, cached = req.block_ids, req.block_row

@@ -78,8 +78,8 @@ def _attend_tiles(
     OFFS_32: cache offsets fit 32 bits (cheaper address arithmetic). DENSE: key n is row n
     from k_base / v_base (row strides stride_ko / stride_vo), no block table. BT_SCALAR (PAGE
     divides BLOCK_N): a tile's block-table entries are read as BLOCK_N // PAGE scalars and spread
-    over its rows in registers, not as a vector of one entry per row (H100, 256 x 64 tiles: 3%
-    faster; benchmarks/notes_kernels.md, ninth round)."""
+    over its rows in registers, not as a vector of one entry per row (a vector load of the table
+    makes Triton's pipeliner wait for every copy in flight at each tile)."""
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         if MASKED:
@@ -331,7 +331,7 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
     small) for sequences whose queries fit one narrow tile, and wide tiles for the rest; each
     launch's programs skip the other's sequences, so decodes never run on 128-row tiles.
     dense: the wide launch reads keys from the new tokens (DENSE); 128 x 64 tiles, 8 warps, 3
-    stages measured best for that (H100, T=4096: 296 us vs 338 us with the paged plan's tiles).
+    stages measured best for that (the paged plan's 256 x 64 tiles are slower there).
     """
     num_tokens, num_heads, head_dim = q.shape
     d_pad = triton.next_power_of_2(head_dim)
@@ -361,7 +361,7 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
         wide = dict(BLOCK_M=max(128, block_m), BLOCK_N=64, NUM_SPLITS=1, num_warps=8, num_stages=3)
     elif small and q.element_size() == 2 and triton.cdiv(num_tokens, 256 // group) * num_kv_heads <= sms // 2:
         # 256-row tiles would leave half the SMs idle (a 512-token chunk behind its context):
-        # 64-row tiles, 4x the programs (H100, 512 new tokens at 4k / 8k: 99 / 185 us vs 162 / 310)
+        # 64-row tiles, 4x the programs
         wide = dict(BLOCK_M=max(64, block_m), BLOCK_N=64, NUM_SPLITS=1, num_warps=4, num_stages=3)
     elif small and q.element_size() == 2:  # 256 x 64 tiles, 3 stages: 160 KB of shared memory
         wide = dict(BLOCK_M=max(256, block_m), BLOCK_N=64, NUM_SPLITS=1, num_warps=8, num_stages=3,

@@ -13,8 +13,8 @@ new residual s, written as the output; s times the norm weight (rounded) goes to
 strip's share of each row's sum of squares of s to ss_ptr[row, strip]. NORM_IN (the GEMM after,
 whose A is that sg): after the wait it sums the row's partials into rstd = rsqrt(mean(s^2) + eps)
 and scales its output by it, which commutes with the dot. No per-tile work on either side, so
-wide GEMMs pay nothing per program for it (the norm folded into the A tiles did; RESULTS.md,
-tenth round). Rounding differs from norm-then-GEMM by about one bf16 rounding of the input.
+wide GEMMs pay nothing per program for it (a norm folded into the A tiles makes every program
+redo it). Rounding differs from norm-then-GEMM by about one bf16 rounding of the input.
 """
 import torch
 import triton
@@ -87,7 +87,7 @@ def _skinny_gemm_kernel(
 ):
     """PRELOAD: the first weight tile is loaded before waiting for the kernel ahead (PDL): it does
     not depend on it, and the kernel ahead (a norm, the attention merge) leaves HBM idle
-    meanwhile. (Two tiles measured slower; benchmarks/notes_kernels.md, seventh round.)
+    meanwhile. (Two tiles measured slower.)
     NORM_OUT / NORM_IN (ss_in_ptr [rows, in_strips] partials, S_PAD >= in_strips): see the module
     docstring."""
     pid_n = tl.program_id(0)
@@ -152,9 +152,8 @@ def _skinny_gemm_kernel(
 
 def _config(n: int, k: int, sms: int) -> dict:
     """16-column strips; K split in two until the grid has ~2 programs per SM or a split would be
-    under 256 deep; 256-deep K tiles where a split is >= 2048 deep. From an H100 sweep at M=1
-    (benchmarks/notes_kernels.md, seventh round): Llama-8B and Qwen3-30B-A3B projections within
-    ~0.5 us of the best of 48 plans each."""
+    under 256 deep; 256-deep K tiles where a split is >= 2048 deep. Near the best of a sweep of 48
+    plans for each Llama-8B and Qwen3-30B-A3B projection at M=1 (benchmarks/RESULTS.md)."""
     strips = triton.cdiv(n, 16)
     split = 1
     while strips * split < 2 * sms and k // (2 * split) >= 256 and split < 16:

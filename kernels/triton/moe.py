@@ -10,7 +10,7 @@ elsewhere) are skipped.
 Decode-sized batches (at most _PAIR_BLOCKS pairs) skip the grouping: each (token, slot) pair is
 a block of its own, its expert read from topk_ids inside both GEMMs (three launches, not four).
 A second GEMM that summed a token's pairs in its epilogue measured slower (one program per
-token and N tile streams all k experts one after the other; benchmarks/notes_kernels.md).
+token and N tile streams all k experts one after the other).
 
 Grouping produces, for max_blocks = cdiv(P, BLOCK_M) + min(E, P) blocks (P = T * top_k):
   sorted_pairs:  [max_blocks * BLOCK_M] int32, pair index (token * top_k + slot) of each row
@@ -348,7 +348,7 @@ def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
     if num_pairs <= _PAIR_BLOCKS:
         # narrow tiles, 2 warps: enough programs to keep every SM streaming an expert's rows
-        # (H100 sweep, benchmarks/notes_kernels.md: 45.6 vs 46.4 us at 1 token, 66.0 vs 70.9 at 2)
+        # (each GEMM's fastest plan in a sweep at 1 and 2 tokens)
         cfg = dict(BLOCK_M=16, BLOCK_N1=16, BLOCK_N2=32, BLOCK_K=128, num_warps=2, num_stages=3)
     elif rows_per_expert <= 16:
         cfg = dict(BLOCK_M=16, BLOCK_N1=64, BLOCK_N2=64, BLOCK_K=128, num_warps=4, num_stages=4)

@@ -8,10 +8,11 @@ until the previous grid has completed and its writes are visible (`griddepcontro
 lets the next kernel be scheduled in turn, so the order of effects is the stream's. Only
 reads of what no kernel of the step writes come before it: the decode GEMM's first weight
 tile, and the step's metadata in attention, its split merge and rotary (query_start_loc,
-seq_lens, positions, cos/sin, slots: H100 Qwen3-30B-A3B b=1 decode -0.10 ms; RESULTS.md,
-tenth round). The step's metadata is copied in before the forward starts. Kernels that are
-not ours (cuBLAS, torch) are launched without PDL and wait for their predecessor as usual. Off
-on ROCm and on GPUs before Hopper, where the kernels compile without the two instructions.
+seq_lens, positions, cos/sin, slots), whose dependent loads then overlap the kernel ahead. The
+step's metadata is copied in before the forward starts. Kernels that are not ours (cuBLAS,
+torch) are launched without PDL and wait for their predecessor as usual. Off with
+KernelConfig.pdl false (`--no-pdl`), on ROCm and on GPUs before Hopper, where the kernels
+compile without the two instructions.
 """
 import functools
 
