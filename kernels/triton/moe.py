@@ -153,9 +153,11 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int, max_blocks: i
     _align_count_kernel[(num_chunks,)](topk_ids, chunk_counts, num_pairs, num_experts,
                                        E_PAD=e_pad, CHUNK=_CHUNK, num_warps=4, **launch_args(topk_ids, pdl))
     _align_offsets_kernel[(1,)](chunk_counts, seg_start, block_expert, block_rows, num_chunks,
-                                max_blocks, BLOCK_M=block_m, E_PAD=e_pad, ROWS=16, num_warps=8, **launch_args(topk_ids, pdl))
+                                max_blocks, BLOCK_M=block_m, E_PAD=e_pad, ROWS=16, num_warps=8,
+                                **launch_args(topk_ids, pdl))
     _align_scatter_kernel[(num_chunks,)](topk_ids, chunk_counts, seg_start, sorted_pairs, num_pairs,
-                                         num_experts, E_PAD=e_pad, CHUNK=_CHUNK, num_warps=4, **launch_args(topk_ids, pdl))
+                                         num_experts, E_PAD=e_pad, CHUNK=_CHUNK, num_warps=4,
+                                         **launch_args(topk_ids, pdl))
     return sorted_pairs, block_expert, block_rows
 
 
