@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tandem.kernels.attention import store_kvcache_ref  # noqa: E402
+from tandem.kernels.kv_cache import store_kvcache_ref  # noqa: E402
 from tandem.kernels.moe import fused_experts_ref, topk_routing, topk_routing_ref  # noqa: E402
 from tandem.kernels.norm import fused_add_rms_norm_ref  # noqa: E402
 from tandem.kernels.rotary import apply_rotary_ref, build_cos_sin_cache  # noqa: E402

@@ -9,15 +9,12 @@ to `--context` tokens, then per decode step reports
   (d) the host phases of a step (schedule, prepare, forward launch, SamplingBatch.build, sample
       + token readback, update; wall time),
   (e) the kernels of one replay (torch.profiler; name, count, us, share),
-and, per linear layer of layer 0, the GEMM at this batch (achieved GB/s). `--compare-previous`
-first runs the same with the code paths this profile replaced (separate q/k norm, rotary and
-KV-store launches, torch routing, MoE grouping at decode, LM head outside the graph), in the
-same process.
+and, per linear layer of layer 0, the GEMM at this batch (achieved GB/s). To profile another
+kernel configuration, pass its flags (--no-pdl, --no-fuse-norms, ...: engine/config.py, KernelConfig).
 
   python -m benchmarks.profile_decode --model llama3-8b --batch 1 --context 1024 --out p.json
 """
 import argparse
-import contextlib
 import gc
 import json
 import statistics
@@ -28,43 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.roofline import MODELS, build, copy_bandwidth, kv_bytes, param_bytes, step_times
-
-
-@contextlib.contextmanager
-def previous_paths():
-    """The decode paths before the fused launches: q/k RMSNorm, rotary and KV store as separate
-    kernels, routing in torch ops, MoE grouping even for a handful of pairs, no LM head in
-    graphs (see profile_variant)."""
-    import tandem.engine.layers.moe as layer_moe
-    import tandem.engine.models.llama as llama
-    import tandem.kernels.triton.moe as triton_moe
-    from tandem.kernels import paged_attention, store_kvcache
-    from tandem.kernels.moe import topk_routing_ref
-
-    def forward(self, positions, x, ctx):
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        a = self.attn
-        store_kvcache(k, v, a.k_cache, a.v_cache, ctx.slot_mapping)
-        out = paged_attention(q, a.k_cache, a.v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                              a.scale, ctx.max_query_len, ctx.max_seq_len)
-        return self.o_proj(out.flatten(1))
-
-    saved = (llama.LlamaAttention.forward, layer_moe.topk_routing, triton_moe._PAIR_BLOCKS)
-    llama.LlamaAttention.forward = forward
-    layer_moe.topk_routing = topk_routing_ref
-    triton_moe._PAIR_BLOCKS = 0
-    try:
-        yield
-    finally:
-        llama.LlamaAttention.forward, layer_moe.topk_routing, triton_moe._PAIR_BLOCKS = saved
+from benchmarks.roofline import (MODELS, build, copy_bandwidth, kernel_flags, kernel_kwargs, kv_bytes, param_bytes,
+                                 step_times)
 
 
 def recapture(runner, batch: int, with_logits: bool) -> None:
@@ -177,7 +139,7 @@ def linear_table(model, batch: int, bw: float) -> list[dict]:
         x = torch.randn(batch, w.shape[1], device=w.device, dtype=w.dtype)
         calls = 1 if name == "lm_head" else 8
         t = _in_graph_us(lambda i: F.linear(x, ws[i]), copies, calls)
-        t_engine = _in_graph_us(lambda i: linear(x, ws[i]), copies, calls)
+        t_engine = _in_graph_us(lambda i: linear(x, ws[i], config=model.kernels), copies, calls)
         nbytes = w.numel() * w.element_size()
         rows.append(dict(linear=name, shape=list(w.shape), us=t, of_copy_bw=nbytes / (t * 1e-6) / bw,
                          engine_us=t_engine, engine_of_copy_bw=nbytes / (t_engine * 1e-6) / bw))
@@ -227,7 +189,7 @@ def profile_variant(llm, batch: int, label: str, with_logits: bool, steps: int) 
 
     def head_and_sample():
         logits = runner.model.compute_logits(hidden).float()
-        sample(logits[:len(reqs)], sbatch, core.eos_token_ids)
+        sample(logits[:len(reqs)], sbatch, core.eos_token_ids, runner.config.kernel)
 
     head_us = gpu_time_us(head_and_sample)
     kernels = kernel_table(graph.replay)
@@ -265,23 +227,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--compare-previous", action="store_true",
-                    help="also profile the code paths the fused launches replaced (same process)")
-    ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
-                    help="programmatic dependent launch (the engine's default); with it a kernel's time in "
-                         "the table includes its wait for the kernel ahead, so --no-pdl attributes time per kernel")
+    kernel_flags(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from tandem.engine import SamplingParams
     from tandem.engine.protocol import EngineRequest
-    from tandem.kernels.triton import pdl
-
-    pdl.set_enabled(args.pdl)
 
     bw = copy_bandwidth()
     # the synchronous step: its host phases are what this script times
     llm = build(args.model, max_num_batched_tokens=4096, max_num_seqs=max(args.batch, 8), max_model_len=8192,
-                gpu_memory_utilization=0.9, cuda_graph_sizes=(args.batch,), async_scheduling=False)
+                gpu_memory_utilization=0.9, cuda_graph_sizes=(args.batch,), async_scheduling=False,
+                **kernel_kwargs(args))
     core = llm.engine
     total_steps = 4 * (args.steps + 10)  # enough for every variant's steps
     for i in range(args.batch):
@@ -295,10 +251,6 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s; {args.model} b={args.batch} "
           f"ctx={args.context}: {wbytes / 1e9:.2f} GB of weights per step, floor {floor_us:.0f} us")
     results = []
-    if args.compare_previous:
-        with previous_paths():
-            results.append(profile_variant(llm, args.batch, "previous paths", False, args.steps))
-        print_variant(results[-1], floor_us)
     results.append(profile_variant(llm, args.batch, "current", True, args.steps))
     print_variant(results[-1], floor_us)
     linears = linear_table(llm.engine.runner.model, args.batch, bw)

@@ -15,6 +15,7 @@ torch._scaled_mm (row-wise scales) on the same shapes.
   python -m benchmarks.roofline --fp8 block --kv-cache-dtype fp8 --fp8-kernels --out fp8.json
 """
 import argparse
+import dataclasses
 import json
 import logging
 import tempfile
@@ -111,6 +112,23 @@ def fp8_kernel_rows() -> list[dict]:
     return rows
 
 
+def kernel_flags(ap: argparse.ArgumentParser) -> None:
+    """The engine's KernelConfig flags (--no-pdl, --no-skinny-gemm, --no-fuse-norms, --no-fuse-rope),
+    as `server` takes them: a figure's command says which kernel configuration it measured."""
+    from tandem.kernels import KernelConfig
+
+    for f in dataclasses.fields(KernelConfig):
+        ap.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=f.default,
+                        help=f.metadata["help"])
+
+
+def kernel_kwargs(args: argparse.Namespace) -> dict:
+    """The KernelConfig fields of parsed `kernel_flags`, as engine keyword arguments."""
+    from tandem.kernels import KernelConfig
+
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(KernelConfig)}
+
+
 def build(name: str, fp8: str = "none", **kw):
     from tandem.engine import LLM
 
@@ -205,12 +223,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                     help="the engine's --async-scheduling (off here unless asked, so runs compare like for like)")
-    ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
-                    help="programmatic dependent launch for the Triton kernels (kernels/triton/pdl.py; on "
-                         "where the GPU has it): --no-pdl measures without")
-    ap.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=True,
-                    help="linear layers of <= 16 rows on the Triton GEMM (kernels/linear.py; the engine's "
-                         "default): --no-skinny-gemm measures them on torch (cuBLAS)")
+    kernel_flags(ap)
     ap.add_argument("--fp8", choices=["none", "block", "channel"], default="none",
                     help="FP8 weights: block = the Hugging Face [128, 128] checkpoint layout, channel = "
                          "--quantization fp8 (per-channel); the floors then count fp8 bytes and the FP8 matmul rate")
@@ -219,10 +232,7 @@ def main() -> None:
                     help="also time each FP8 GEMM against torch._scaled_mm on the same shapes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from tandem.kernels import linear
-    from tandem.kernels.triton import pdl
-    pdl.set_enabled(args.pdl)
-    linear.set_skinny(args.skinny_gemm)
+    kernels = kernel_kwargs(args)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     bw, mm = copy_bandwidth(), matmul_rate()
     dev = torch.cuda.get_device_name()
@@ -235,14 +245,14 @@ def main() -> None:
         moe = "moe" in MODELS[name]["model_type"]
         llm = build(name, args.fp8, max_num_batched_tokens=4096, max_num_seqs=64, max_model_len=8192,
                     gpu_memory_utilization=0.92, async_scheduling=args.async_scheduling,
-                    kv_cache_dtype=args.kv_cache_dtype)
+                    kv_cache_dtype=args.kv_cache_dtype, **kernels)
         for batch in ([1] if moe else [1, 64]):
             t = time_decode(llm.engine, batch, args.context)
             wbytes = param_bytes(llm.engine.runner, MODELS[name]["num_experts_per_tok"] if moe else None)
             # bw counts bytes read + written, which is what HBM moves per second either way.
             floor = (wbytes + kv_bytes(llm.engine.runner, batch, args.context)) / bw
             what = (f"decode b={batch} ctx={args.context}" + (" async" if args.async_scheduling else "")
-                    + ("" if args.pdl else " no-pdl") + ("" if args.skinny_gemm else " cublas") + tag)
+                    + "".join(f" no-{k.replace('_', '-')}" for k, on in kernels.items() if not on) + tag)
             rows.append(dict(model=name, what=what, ms=t * 1e3,
                              floor_ms=floor * 1e3, of_floor=floor / t))
             print("measured:", rows[-1], flush=True)

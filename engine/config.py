@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.kernels.config import KernelConfig
+
 DEFAULT_MODEL_DIR = str(Path(__file__).parent / "default_model")
 
 
@@ -121,6 +123,9 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    # Kernel and decode-path choices (PDL, skinny GEMMs, fusions): defined in kernels/config.py,
+    # which imports nothing of ours, and handed to every layer at construction.
+    kernel: KernelConfig = field(default_factory=KernelConfig)
 
     @classmethod
     def create(cls, **kwargs) -> "EngineConfig":

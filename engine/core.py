@@ -11,7 +11,7 @@ import torch.distributed as dist
 from tandem.connectors.params import parse_kv_transfer_params
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import EngineConfig
-from tandem.engine.loader import eos_token_ids, load_hf_config
+from tandem.engine.loader import eos_token_ids, load_hf_config, resolve_max_model_len
 from tandem.engine.model_runner import ModelRunner, PendingStep
 from tandem.engine.protocol import EngineRequest, RequestOutput, SchedulerStats
 from tandem.engine.request import Request, RequestStatus
@@ -28,11 +28,6 @@ def _async_safe(req: Request) -> bool:
     host while sampling.)"""
     p = req.params
     return p.logprobs is None and p.prompt_logprobs is None and not p.needs_penalties
-
-
-def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
-    max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
-    return min(config.model.max_model_len or max_pos, max_pos)
 
 
 class EngineCore:

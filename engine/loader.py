@@ -8,6 +8,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from tandem.engine.config import EngineConfig
+
 logger = logging.getLogger(__name__)
 
 
@@ -22,6 +24,12 @@ def load_hf_config(model_dir: str):
         return AutoConfig.from_pretrained(model_dir)
     except (ValueError, KeyError) as e:
         raise ValueError(f"{path / 'config.json'}: cannot be read as a transformers config: {e}") from e
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
+    """--max-model-len, capped by the model's max_position_embeddings (2048 where it has none)."""
+    max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
+    return min(config.model.max_model_len or max_pos, max_pos)
 
 
 def eos_token_ids(model_dir: str, hf_config) -> set[int]:

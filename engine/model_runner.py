@@ -71,7 +71,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         torch.manual_seed(config.model.seed)
         with torch.device(self.device), _default_dtype(self.dtype):
-            self.model = model_class(hf_config)(hf_config, config.parallel)
+            self.model = model_class(hf_config)(hf_config, config.parallel, config.kernel)
         quantize_model(self.model, hf_config, config.model.quantization)
         if config.model.load_format == "dummy":
             init_dummy_weights(self.model, config.model.seed)
@@ -312,7 +312,7 @@ class ModelRunner:
         sampled = {}
         if sample_reqs:
             batch = SamplingBatch.build(sample_reqs, self.vocab_size, self.device)
-            tokens, logprobs = sample(logits[:len(sample_reqs)], batch, eos_token_ids)
+            tokens, logprobs = sample(logits[:len(sample_reqs)], batch, eos_token_ids, self.config.kernel)
             for i, (req, tok) in enumerate(zip(sample_reqs, tokens.tolist())):
                 sampled[req.request_id] = SampledToken(tok, logprobs[i] if logprobs else None)
         prompt_logprobs, row = {}, len(sample_reqs)
@@ -335,7 +335,7 @@ class ModelRunner:
         assert not prompt_spans
         if sample_reqs:
             batch = SamplingBatch.build(sample_reqs, self.vocab_size, self.device)
-            tokens, _ = sample(logits[:len(sample_reqs)], batch, eos_token_ids)
+            tokens, _ = sample(logits[:len(sample_reqs)], batch, eos_token_ids, self.config.kernel)
         else:  # prompt chunks only
             tokens = torch.empty(0, dtype=torch.long, device=logits.device)
         host, ready = tokens, None
@@ -356,7 +356,7 @@ class ModelRunner:
 
 def _block_row(req) -> np.ndarray:
     """req.block_ids as int32, converted once per new block instead of once per step (building
-    a step's block table from Python lists took ~5 ms at 256 sequences x 256 blocks). Cached on
+    a step's block table from Python lists cost milliseconds at 256 sequences x 256 blocks). Cached on
     the request with the list object it mirrors: block_ids only grows in place, and a freed or
     preempted request gets a new list."""
     ids, cached = req.block_ids, req.block_row

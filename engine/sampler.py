@@ -11,6 +11,7 @@ import torch
 
 from tandem.engine.protocol import TokenLogprobs
 from tandem.engine.request import Request
+from tandem.kernels.config import DEFAULT_KERNELS, KernelConfig
 from tandem.kernels.sampling import argmax
 
 
@@ -118,8 +119,8 @@ def _top_k_top_p_min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, b: SamplingBatch, eos_token_ids: set[int]
-           ) -> tuple[torch.Tensor, list[TokenLogprobs | None] | None]:
+def sample(logits: torch.Tensor, b: SamplingBatch, eos_token_ids: set[int],
+           kernels: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, list[TokenLogprobs | None] | None]:
     """logits: [N, V] float32 -> (token ids [N] int64, per-row logprobs (None for rows that did
     not ask) or None when no row asked)."""
     raw_logprobs = logits.log_softmax(dim=-1) if b.max_logprobs >= 0 else None
@@ -128,7 +129,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch, eos_token_ids: set[int]
     if b.any_min_tokens:
         logits = logits.clone()
         _mask_stop_tokens(logits, b.requests, eos_token_ids)
-    greedy_tokens = argmax(logits)
+    greedy_tokens = argmax(logits, kernels)
     if b.all_greedy:
         tokens = greedy_tokens
     else:
@@ -139,7 +140,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch, eos_token_ids: set[int]
         for i, req in enumerate(b.requests):
             if req.generator is not None:
                 q[i].exponential_(generator=req.generator)
-        tokens = torch.where(b.temperature > 0, argmax(probs.div(q)), greedy_tokens)
+        tokens = torch.where(b.temperature > 0, argmax(probs.div(q), kernels), greedy_tokens)
     logprobs = None
     if raw_logprobs is not None:
         logprobs = token_logprobs(raw_logprobs, tokens, b.max_logprobs)

@@ -197,8 +197,7 @@ class Workers:
 
 def run_node_workers(config: EngineConfig) -> None:
     """On nodes other than 0 (--node-rank > 0): run this node's ranks until rank 0 stops them."""
-    from tandem.engine.core import resolve_max_model_len
-    from tandem.engine.loader import load_hf_config
+    from tandem.engine.loader import load_hf_config, resolve_max_model_len
 
     workers = Workers(config, resolve_max_model_len(config, load_hf_config(config.model.model)), include_rank0=True)
     for proc in workers.procs:

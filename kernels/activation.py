@@ -2,6 +2,7 @@
 import torch
 
 from tandem.kernels.backend import use_triton
+from tandem.kernels.config import DEFAULT_KERNELS, KernelConfig
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -10,8 +11,8 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     if use_triton(x):
         from tandem.kernels.triton.activation import silu_and_mul_triton
-        return silu_and_mul_triton(x)
+        return silu_and_mul_triton(x, config.pdl)
     return silu_and_mul_ref(x)

@@ -1,8 +1,4 @@
-"""Attention over a paged KV cache.
-
-Layout (shared by every implementation and by the KV connectors):
-  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-  slot = block_id * block_size + offset_in_block
+"""Attention over a paged KV cache (layout: kernels/kv_cache.py).
 
 One call serves prefill, chunked prefill and decode: a batch is a flat run of
 query tokens, sequence s owning q[query_start_loc[s]:query_start_loc[s+1]],
@@ -13,10 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from tandem.kernels.backend import use_triton
-
-# a decode batch's rotary embedding, q/k norm and KV store done by the attention launch (GPU)
-# instead of a launch of its own; benchmarks/ab_decode.py switch `rope`
-FUSED_ROPE = True
+from tandem.kernels.config import DEFAULT_KERNELS, KernelConfig
+from tandem.kernels.rotary import rotary_store_kvcache
 
 
 @dataclass
@@ -30,17 +24,6 @@ class NewTokens:
     cos_sin_cache: torch.Tensor
     slot_mapping: torch.Tensor
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
-
-
-def store_kvcache_ref(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """key, value: [T, Hk, D]; slot_mapping: [T] int (negative = padding, not stored)."""
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[valid].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[valid].to(v_cache.dtype)
 
 
 def paged_attention_ref(
@@ -74,35 +57,26 @@ def paged_attention_ref(
     return out
 
 
-def store_kvcache(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    if use_triton(key):
-        from tandem.kernels.triton.attention import store_kvcache_triton
-        return store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping)
-    return store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
-
-
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
     max_query_len: int | None = None, max_seq_len: int | None = None,
     dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope: NewTokens | None = None,
+    config: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:
     """See module docstring. max_query_len / max_seq_len are upper bounds the GPU path may use
     for launch grids; they must not be exceeded by the data. dense_kv = (new keys, new values)
     as stored, when every sequence of more than one new token starts at position 0: the GPU
     path then reads a prefill's keys from them instead of gathering them through the block table.
     rope: q is raw and the new tokens still to normalize, rotate and store; on the GPU a decode
-    batch (max_query_len 1) has that done by the attention launch, else it runs first."""
-    if rope is not None and not (FUSED_ROPE and use_triton(q) and max_query_len == 1 and dense_kv is None):
-        from tandem.kernels.rotary import rotary_store_kvcache  # (it imports this module)
+    batch (max_query_len 1) has that done by the attention launch (config.fuse_rope), else it runs
+    first."""
+    if rope is not None and not (config.fuse_rope and use_triton(q) and max_query_len == 1 and dense_kv is None):
         q = rotary_store_kvcache(rope.positions, q, rope.k, rope.v, rope.cos_sin_cache, k_cache, v_cache,
-                                 rope.slot_mapping, rope.qk_norm)
+                                 rope.slot_mapping, rope.qk_norm, config=config)
         rope = None
     if use_triton(q):
         from tandem.kernels.triton.attention import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens,
-                                      query_start_loc, scale, max_query_len, max_seq_len, dense_kv, rope)
+                                      query_start_loc, scale, max_query_len, max_seq_len, dense_kv, rope, config.pdl)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)

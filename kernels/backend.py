@@ -14,17 +14,8 @@ def triton_available() -> bool:
     return torch.cuda.is_available()
 
 
-_force_reference = False
-
-
-def force_reference(enabled: bool) -> None:
-    """Make every dispatcher use the torch reference (tests, debugging)."""
-    global _force_reference
-    _force_reference = enabled
-
-
 def use_triton(t: torch.Tensor) -> bool:
-    return not _force_reference and t.is_cuda and triton_available()
+    return t.is_cuda and triton_available()
 
 
 def rocm_package_available(package: str) -> bool:

@@ -7,43 +7,33 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.backend import use_triton
+from tandem.kernels.config import DEFAULT_KERNELS, KernelConfig
 from tandem.kernels.norm import rms_norm
 
-_skinny = True
-# the RMSNorms of a decoder layer carried by the GEMM ahead and the GEMM after (linear_add_norm,
-# linear_normed) instead of launches of their own; FOLD_INPUT_NORM: the input norm too (the MLP
-# of the layer ahead carries it), not only the post-attention one. benchmarks/ab_decode.py
-# switches both
-FOLD_NORM = True
-FOLD_INPUT_NORM = True
 
-
-def set_skinny(enabled: bool) -> None:
-    """Use the Triton GEMM for decode-sized batches (default) or torch always (benchmarks)."""
-    global _skinny
-    _skinny = enabled
-
-
-def _decode_rows(x: torch.Tensor) -> int:
-    """x's row count where the Triton GEMM takes x as its input (a GPU, <= 16 rows of bf16/fp16), else 0."""
-    if not (_skinny and use_triton(x) and x.dtype in (torch.bfloat16, torch.float16)):
+def _decode_rows(x: torch.Tensor, config: KernelConfig) -> int:
+    """x's row count where the Triton GEMM takes x as its input (config.skinny_gemm, a GPU, <= 16
+    rows of bf16/fp16), else 0."""
+    if not (config.skinny_gemm and use_triton(x) and x.dtype in (torch.bfloat16, torch.float16)):
         return 0
     from tandem.kernels.triton.linear import MAX_ROWS
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return rows if rows <= MAX_ROWS else 0
 
 
-def _skinny_rows(x: torch.Tensor, weight: torch.Tensor) -> int:
+def _skinny_rows(x: torch.Tensor, weight: torch.Tensor, config: KernelConfig) -> int:
     """x's row count where the Triton GEMM takes this matmul, else 0."""
-    return _decode_rows(x) if weight.dtype == x.dtype else 0
+    return _decode_rows(x, config) if weight.dtype == x.dtype else 0
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """x: [..., K]; weight: [N, K]; bias: [N] or None -> [..., N]."""
-    rows = _skinny_rows(x, weight)
+    rows = _skinny_rows(x, weight, config)
     if rows:
         from tandem.kernels.triton.linear import skinny_linear_triton
-        y = skinny_linear_triton(x.reshape(rows, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+        y = skinny_linear_triton(x.reshape(rows, x.shape[-1]), weight, pdl=config.pdl).view(
+            *x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 
@@ -59,34 +49,36 @@ class PendingNorm:
     weight: torch.Tensor
     eps: float
 
-    def normed(self) -> torch.Tensor:
+    def normed(self, config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
         """rms_norm(s), for a consumer that cannot apply the pending norm itself."""
-        return rms_norm(self.s, self.weight, self.eps)
+        return rms_norm(self.s, self.weight, self.eps, config)
 
 
 def linear_add_norm(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+    config: KernelConfig = DEFAULT_KERNELS,
 ) -> PendingNorm | None:
     """x @ weight.T + residual, with the RMSNorm after it left pending: at decode sizes on a GPU
-    (FOLD_NORM on), one launch of the Triton GEMM; else None, and the caller runs `linear` and the
-    norm. x: [T, K]; weight: [N, K]; residual: [T, N]; norm_weight: [N]."""
-    if not (can_pend(x) and weight.dtype == norm_weight.dtype == residual.dtype == x.dtype):
+    (config.fuse_norms), one launch of the Triton GEMM; else None, and the caller runs `linear`
+    and the norm. x: [T, K]; weight: [N, K]; residual: [T, N]; norm_weight: [N]."""
+    if not (can_pend(x, config) and weight.dtype == norm_weight.dtype == residual.dtype == x.dtype):
         return None
     from tandem.kernels.triton.linear import skinny_linear_add_norm_triton
-    s, sg, ss = skinny_linear_add_norm_triton(x, weight, residual, norm_weight)
+    s, sg, ss = skinny_linear_add_norm_triton(x, weight, residual, norm_weight, pdl=config.pdl)
     return PendingNorm(s, sg, ss, norm_weight, eps)
 
 
-def linear_normed(p: PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_normed(p: PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """rms_norm(p.s) @ weight.T + bias: the Triton GEMM on p.sg, scaled by each row's 1/rms in
     its epilogue (no norm launch)."""
-    if not _skinny_rows(p.sg, weight):
-        return linear(p.normed(), weight, bias)
+    if not _skinny_rows(p.sg, weight, config):
+        return linear(p.normed(config), weight, bias, config)
     from tandem.kernels.triton.linear import skinny_linear_normed_triton
-    y = skinny_linear_normed_triton(p.sg, weight, p.ss, p.eps)
+    y = skinny_linear_normed_triton(p.sg, weight, p.ss, p.eps, pdl=config.pdl)
     return y if bias is None else y + bias
 
 
-def can_pend(x: torch.Tensor) -> bool:
-    """Whether kernels on x's rows may leave an RMSNorm pending (FOLD_NORM, a GPU, decode sizes)."""
-    return FOLD_NORM and x.dim() == 2 and _decode_rows(x) > 0
+def can_pend(x: torch.Tensor, config: KernelConfig = DEFAULT_KERNELS) -> bool:
+    """Whether kernels on x's rows may leave an RMSNorm pending (config.fuse_norms, a GPU, decode sizes)."""
+    return config.fuse_norms and x.dim() == 2 and _decode_rows(x, config) > 0

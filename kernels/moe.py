@@ -8,6 +8,7 @@ import torch
 
 from tandem.kernels.activation import silu_and_mul_ref
 from tandem.kernels.backend import use_triton
+from tandem.kernels.config import DEFAULT_KERNELS, KernelConfig
 
 
 def topk_routing_ref(
@@ -27,11 +28,12 @@ def topk_routing_ref(
 
 
 def topk_routing(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax"
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
+    config: KernelConfig = DEFAULT_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(router_logits):
         from tandem.kernels.triton.routing import topk_routing_triton
-        return topk_routing_triton(router_logits, top_k, renormalize, scoring)
+        return topk_routing_triton(router_logits, top_k, renormalize, scoring, config.pdl)
     return topk_routing_ref(router_logits, top_k, renormalize, scoring)
 
 
@@ -52,18 +54,18 @@ def fused_experts_ref(
 
 def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
+    topk_ids: torch.Tensor, config: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:
     if use_triton(x):
         from tandem.kernels.triton.moe import fused_experts_triton
-        return fused_experts_triton(x, w13, w2, topk_weights, topk_ids)
+        return fused_experts_triton(x, w13, w2, topk_weights, topk_ids, config.pdl)
     return fused_experts_ref(x, w13, w2, topk_weights, topk_ids)
 
 
 def routed_experts(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
     renormalize: bool, scoring: str = "softmax", norm_in: tuple[torch.Tensor, float] | None = None,
-    norm_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    norm_out: tuple[torch.Tensor, torch.Tensor] | None = None, config: KernelConfig = DEFAULT_KERNELS,
 ):
     """topk_routing then fused_experts, every expert held here (no expert parallelism); on a GPU
     at decode sizes the routing happens inside the first expert GEMM. GPU only: norm_in = (ss,
@@ -71,7 +73,8 @@ def routed_experts(
     ss) of the next norm left pending (kernels.linear.PendingNorm)."""
     if use_triton(x):
         from tandem.kernels.triton.moe import routed_experts_triton
-        return routed_experts_triton(x, router_logits, w13, w2, top_k, renormalize, scoring, norm_in, norm_out)
+        return routed_experts_triton(x, router_logits, w13, w2, top_k, renormalize, scoring, norm_in, norm_out,
+                                     config.pdl)
     if norm_in is not None or norm_out is not None:
         raise ValueError("routed_experts: a pending norm needs the Triton experts")
     weights, ids = topk_routing_ref(router_logits, top_k, renormalize, scoring)

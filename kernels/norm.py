@@ -2,6 +2,7 @@
 import torch
 
 from tandem.kernels.backend import use_triton
+from tandem.kernels.config import DEFAULT_KERNELS, KernelConfig
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -19,17 +20,19 @@ def fused_add_rms_norm_ref(
     return rms_norm_ref(s, weight, eps), s
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     if use_triton(x):
         from tandem.kernels.triton.norm import rms_norm_triton
-        return rms_norm_triton(x, weight, eps)
+        return rms_norm_triton(x, weight, eps, config.pdl)
     return rms_norm_ref(x, weight, eps)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    config: KernelConfig = DEFAULT_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x):
         from tandem.kernels.triton.norm import fused_add_rms_norm_triton
-        return fused_add_rms_norm_triton(x, residual, weight, eps)
+        return fused_add_rms_norm_triton(x, residual, weight, eps, config.pdl)
     return fused_add_rms_norm_ref(x, residual, weight, eps)

@@ -1,8 +1,9 @@
 """Rotary position embedding, GPT-NeoX style (rotate halves), as in HF Llama/Qwen."""
 import torch
 
-from tandem.kernels.attention import store_kvcache_ref
 from tandem.kernels.backend import use_triton
+from tandem.kernels.config import DEFAULT_KERNELS, KernelConfig
+from tandem.kernels.kv_cache import store_kvcache_ref
 from tandem.kernels.norm import rms_norm_ref
 
 
@@ -34,12 +35,13 @@ def apply_rotary_ref(
 
 
 def apply_rotary(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+    config: KernelConfig = DEFAULT_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as apply_rotary_ref; the Triton path may rotate q and k in place."""
     if use_triton(q):
         from tandem.kernels.triton.rotary import apply_rotary_triton
-        return apply_rotary_triton(positions, q, k, cos_sin_cache)
+        return apply_rotary_triton(positions, q, k, cos_sin_cache, config.pdl)
     return apply_rotary_ref(positions, q, k, cos_sin_cache)
 
 
@@ -72,11 +74,12 @@ def rotary_store_kvcache(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, rotate_k: bool = False,
+    config: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:
     """Same contract as rotary_store_kvcache_ref; the Triton path rotates q in place, in one launch."""
     if use_triton(q):
         from tandem.kernels.triton.rotary import rotary_store_kvcache_triton
         return rotary_store_kvcache_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                                           qk_norm, rotate_k)
+                                           qk_norm, rotate_k, config.pdl)
     return rotary_store_kvcache_ref(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, qk_norm,
                                     rotate_k)

@@ -2,15 +2,12 @@
 import torch
 
 from tandem.kernels.backend import use_triton
-
-# H100, Llama-3-8B shape, batch 1: -0.027 ms a decode step against torch.argmax over the 128k
-# vocabulary (benchmarks/RESULTS.md, A/B of decode variants; benchmarks/ab_decode.py switches it)
-TRITON_ARGMAX = True
+from tandem.kernels.config import DEFAULT_KERNELS, KernelConfig
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
+def argmax(x: torch.Tensor, config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """x: [N, V] float -> [N] int64 (torch.argmax(x, dim=-1): first maximum, NaN above all)."""
-    if TRITON_ARGMAX and use_triton(x) and x.dim() == 2 and x.shape[0] > 0 and x.shape[1] > 0:
+    if use_triton(x) and x.dim() == 2 and x.shape[0] > 0 and x.shape[1] > 0:
         from tandem.kernels.triton.argmax import argmax_triton
-        return argmax_triton(x)
+        return argmax_triton(x, config.pdl)
     return x.argmax(dim=-1)

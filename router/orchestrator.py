@@ -46,7 +46,7 @@ from tandem.router.policy import make_policy
 from tandem.router.registry import Instance, InstanceRegistry
 from tandem.router.relay import OnClose, RelayResponse, relay
 from tandem.router.upstream import Upstream, UpstreamStream
-from tandem.server.disconnect import ClientDisconnected, cancel_on_disconnect
+from tandem.router.disconnect import ClientDisconnected, cancel_on_disconnect
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from tandem.engine.config import EngineConfig
 from tandem.server import __version__
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
-from tandem.server.disconnect import ClientDisconnected, cancel_on_disconnect
+from tandem.router.disconnect import ClientDisconnected, cancel_on_disconnect
 from tandem.server.engine_client import EngineClient
 from tandem.server.errors import EngineDeadError, error_body, error_response, install_error_handlers
 from tandem.server.generation import ServingContext

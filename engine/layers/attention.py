@@ -3,13 +3,15 @@ import torch
 from torch import nn
 
 from tandem.engine.forward_context import ForwardContext
-from tandem.kernels import paged_attention, rotary_store_kvcache, store_kvcache
+from tandem.kernels import KernelConfig, paged_attention, rotary_store_kvcache, store_kvcache
 from tandem.kernels.attention import NewTokens
 
 
 class Attention(nn.Module):
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+                 kernels: KernelConfig):
         super().__init__()
+        self.kernels = kernels
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
@@ -28,15 +30,15 @@ class Attention(nn.Module):
         dense = ctx.prefills_from_start and ctx.max_query_len > 1 and q.is_cuda
         rope = None
         if cos_sin_cache is None:
-            store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+            store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.kernels)
         elif dense or ctx.on_layer_stored is not None:  # (the hook reads the stored layer)
             q = rotary_store_kvcache(positions, q, k, v, cos_sin_cache, self.k_cache, self.v_cache,
-                                     ctx.slot_mapping, qk_norm, rotate_k=dense)
+                                     ctx.slot_mapping, qk_norm, rotate_k=dense, config=self.kernels)
         else:
             rope = NewTokens(positions, k, v, cos_sin_cache, ctx.slot_mapping, qk_norm)
         if ctx.on_layer_stored is not None:
             ctx.on_layer_stored(self.layer_idx)
         out = paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens,
                               ctx.query_start_loc, self.scale, ctx.max_query_len, ctx.max_seq_len,
-                              (k, v) if dense else None, rope)
+                              (k, v) if dense else None, rope, self.kernels)
         return out.flatten(1)

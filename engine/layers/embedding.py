@@ -4,11 +4,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.parallel import tp_all_gather, tp_all_reduce, tp_rank, tp_size
+from tandem.kernels import KernelConfig
 from tandem.kernels.linear import linear
-
-# Decode-sized batches' logits on the Triton GEMM like the other linear layers (kernels/linear.py),
-# else torch's; benchmarks/ab_decode.py switches it
-TRITON_LM_HEAD = True
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -40,6 +37,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the full vocabulary: [T, hidden] -> [T, vocab_size]."""
 
+    def __init__(self, vocab_size: int, hidden_size: int, *, kernels: KernelConfig):
+        super().__init__(vocab_size, hidden_size)
+        self.kernels = kernels
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight) if TRITON_LM_HEAD else F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, config=self.kernels)
         return tp_all_gather(logits, dim=-1)[:, :self.vocab_size]

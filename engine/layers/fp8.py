@@ -103,7 +103,7 @@ class Fp8Linear:
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         if isinstance(x, PendingNorm):
-            x = x.normed()
+            x = x.normed(self.kernels)
         row_parallel = self.tp_dim == 1 and tp_size() > 1
         bias = None if row_parallel and tp_rank() else self.bias
         y = fp8_linear(x, self.weight, self.weight_scale, self.fp8_block, bias)

@@ -9,10 +9,12 @@ from torch import nn
 
 from tandem.engine.config import ParallelConfig
 from tandem.engine.layers.linear import ReplicatedLinear
+from tandem.engine.layers.norm import DeferredOutput, RMSNorm
 from tandem.engine.parallel import expert_parallel, tp_all_reduce, tp_rank, tp_size
+from tandem.kernels import KernelConfig
 from tandem.kernels.ep import NoDispatch, make_dispatcher
 from tandem.kernels.ep.placement import local_experts
-from tandem.kernels.linear import PendingNorm, can_pend, linear_normed
+from tandem.kernels.linear import PendingNorm, can_pend
 from tandem.kernels.moe import fused_experts, fused_experts_ref, routed_experts, topk_routing
 
 _EXPERTS_IMPLS = {"triton": fused_experts, "torch": fused_experts_ref}
@@ -35,8 +37,9 @@ def experts_impl(name: str):
 
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, parallel: ParallelConfig, scoring: str = "softmax"):
+                 renormalize: bool, parallel: ParallelConfig, scoring: str = "softmax", *, kernels: KernelConfig):
         super().__init__()
+        self.kernels = kernels
         self.num_experts, self.top_k = num_experts, top_k
         self.renormalize, self.scoring = renormalize, scoring
         ep = expert_parallel() if parallel.enable_expert_parallel else None
@@ -56,7 +59,7 @@ class FusedMoE(nn.Module):
         self.intermediate_size = intermediate_size // self.shards
         self._local_index = {e: i for i, e in enumerate(self.expert_ids)}
         n = len(self.expert_ids)
-        self.gate = ReplicatedLinear(hidden_size, num_experts)
+        self.gate = ReplicatedLinear(hidden_size, num_experts, kernels=kernels)
         self.w13 = nn.Parameter(torch.empty(n, 2 * self.intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(n, hidden_size, self.intermediate_size), requires_grad=False)
         self.w13.weight_loader = self.weight_loader
@@ -99,24 +102,37 @@ class FusedMoE(nn.Module):
                              f"expected {tuple(dst.shape)}")
         dst.copy_(loaded)
 
-    def forward(self, x: torch.Tensor | PendingNorm, then: tuple | None = None) -> torch.Tensor | PendingNorm:
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor | DeferredOutput:
         """x: [T, H] normalized rows, or a PendingNorm (its norm applied by the router GEMM and the
-        first expert GEMM) -> [T, H]. then = (residual, norm): with every expert here on a GPU at
-        decode sizes, the output plus the residual with that norm pending instead."""
+        first expert GEMM) -> [T, H]. With every expert here (the routed Triton experts), the
+        output is a DeferredOutput: the RMSNorm after it may have the experts add the residual
+        and leave that norm pending (on a GPU at decode sizes; engine/layers/norm.py)."""
         pending = isinstance(x, PendingNorm)
-        logits = linear_normed(x, self.gate.weight) if pending else self.gate(x)
+        logits = self.gate(x)
         if not (self.experts is fused_experts and isinstance(self.dispatcher, NoDispatch)):
-            h = x.normed() if pending else x
-            weights, ids = topk_routing(logits, self.top_k, self.renormalize, self.scoring)
+            h = x.normed(self.kernels) if pending else x
+            weights, ids = topk_routing(logits, self.top_k, self.renormalize, self.scoring, self.kernels)
             h, weights, ids, handle = self.dispatcher.dispatch(h, weights, ids)
-            y = self.experts(h, self.w13, self.w2, weights, ids)
+            y = self.experts(h, self.w13, self.w2, weights, ids, **self._experts_args)
             return tp_all_reduce(self.dispatcher.combine(y, handle))
         # all experts here: routing and experts in one call (on a GPU at decode sizes the first
         # expert GEMM ranks the experts itself)
-        rows = x.sg if pending else x
-        norm_out = (then[0], then[1].weight) if then is not None and tp_size() == 1 and can_pend(rows) else None
-        y = routed_experts(rows, logits, self.w13, self.w2, self.top_k, self.renormalize, self.scoring,
-                           (x.ss, x.eps) if pending else None, norm_out)
-        if norm_out is not None:
-            return PendingNorm(*y, then[1].weight, then[1].eps)
-        return tp_all_reduce(y)
+        return DeferredOutput(lambda: tp_all_reduce(self._routed(x, logits)),
+                              lambda residual, norm: self._routed_add_norm(x, logits, residual, norm))
+
+    @property
+    def _experts_args(self) -> dict:
+        return dict(config=self.kernels) if self.experts is fused_experts else {}
+
+    def _routed(self, x: torch.Tensor | PendingNorm, logits: torch.Tensor, norm_out: tuple | None = None):
+        pending = isinstance(x, PendingNorm)
+        return routed_experts(x.sg if pending else x, logits, self.w13, self.w2, self.top_k, self.renormalize,
+                              self.scoring, (x.ss, x.eps) if pending else None, norm_out, self.kernels)
+
+    def _routed_add_norm(self, x: torch.Tensor | PendingNorm, logits: torch.Tensor, residual: torch.Tensor,
+                         norm: RMSNorm) -> PendingNorm | None:
+        """The experts' output plus the residual with `norm` left pending, or None (nothing run)
+        where that does not apply (tensor parallel: the all-reduce comes first; no GPU; more rows)."""
+        if not (tp_size() == 1 and can_pend(x.sg if isinstance(x, PendingNorm) else x, self.kernels)):
+            return None
+        return PendingNorm(*self._routed(x, logits, (residual, norm.weight)), norm.weight, norm.eps)

@@ -1,17 +1,57 @@
+"""RMSNorm layers, and the handoff that lets the RMSNorms of a decoder layer ride on the GEMMs
+around them.
+
+At decode sizes on a GPU (KernelConfig.fuse_norms) an RMSNorm between two GEMMs costs no launch of
+its own: the GEMM ahead (o_proj, down_proj, the MoE experts) adds the residual and leaves the norm
+pending (kernels.linear.PendingNorm: the rows times the norm weight and their sums of squares),
+and the GEMM after (qkv, gate_up, the MoE router and experts) scales its output by each row's
+1/rms. The model code does not see it: the GEMM ahead returns a `DeferredOutput` instead of its
+output, a `PendingRMSNorm` asks it to add the residual and leave the norm pending (or computes it
+and runs the norm as usual), and the linear and MoE layers take a `PendingNorm` as their input.
+"""
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch import nn
 
-from tandem.kernels import fused_add_rms_norm, rms_norm
+from tandem.kernels import KernelConfig, fused_add_rms_norm, rms_norm
+from tandem.kernels.linear import PendingNorm
+
+
+@dataclass
+class DeferredOutput:
+    """A layer's output whose last GEMM waits for the RMSNorm after it. compute() runs it as is ->
+    [T, H]; add_norm(residual [T, H], norm) runs it with the residual added and `norm` left pending
+    -> PendingNorm, or returns None (and runs nothing) where that does not apply."""
+    compute: Callable[[], torch.Tensor]
+    add_norm: Callable[[torch.Tensor, "RMSNorm"], PendingNorm | None]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, *, kernels: KernelConfig):
         super().__init__()
         self.eps = eps
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without residual: norm(x). With it: (norm(x + residual), x + residual)."""
+    def forward(self, x: torch.Tensor | DeferredOutput, residual: torch.Tensor | None = None):
+        """x: [T, H]. Without residual: norm(x). With it: (norm(x + residual), x + residual)."""
+        if isinstance(x, DeferredOutput):
+            x = x.compute()
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, self.kernels)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, self.kernels)
+
+
+class PendingRMSNorm(RMSNorm):
+    """An RMSNorm between two GEMMs (a decoder layer's input and post-attention norms): when the
+    layer ahead deferred its output and can carry the add and the norm, returns (PendingNorm,
+    the new residual) for the next linear or MoE layer to apply; else what RMSNorm returns."""
+
+    def forward(self, x: torch.Tensor | DeferredOutput, residual: torch.Tensor | None = None):
+        if isinstance(x, DeferredOutput) and residual is not None:
+            pending = x.add_norm(residual, self)
+            if pending is not None:
+                return pending, pending.s
+        return super().forward(x, residual)

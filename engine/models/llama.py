@@ -11,14 +11,13 @@ from torch import nn
 
 from tandem.engine.config import ParallelConfig
 from tandem.engine.forward_context import ForwardContext
+from tandem.engine.layers.activation import SiluAndMul
 from tandem.engine.layers.attention import Attention
 from tandem.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from tandem.engine.layers.norm import RMSNorm
+from tandem.engine.layers.norm import PendingRMSNorm, RMSNorm
 from tandem.engine.layers.rotary import RotaryEmbedding
-from tandem.kernels import linear as kernels_linear
-from tandem.kernels import silu_and_mul
-from tandem.kernels.linear import PendingNorm, linear_normed
+from tandem.kernels import KernelConfig
 
 
 def head_dim_of(cfg) -> int:
@@ -26,101 +25,82 @@ def head_dim_of(cfg) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, cfg, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, *, kernels: KernelConfig):
         super().__init__()
         num_heads = cfg.num_attention_heads
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
         self.head_dim = head_dim_of(cfg)
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, num_heads, num_kv_heads, qkv_bias)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, num_heads, num_kv_heads, qkv_bias,
+                                          kernels=kernels)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, cfg.hidden_size, o_bias)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, cfg.hidden_size, o_bias, kernels=kernels,
+                                        norm_after=True)
         self.rotary_emb = RotaryEmbedding(cfg, self.head_dim, cfg.max_position_embeddings)
-        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                              kernels=kernels)
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels=kernels)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels=kernels)
         self.qk_norm = qk_norm
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor | PendingNorm, ctx: ForwardContext,
-                then: tuple | None = None) -> torch.Tensor | PendingNorm:
-        """Attention of x, normalized rows or a PendingNorm (whose norm the qkv GEMM applies).
-        then = (residual, norm): where o_proj can, it returns its output plus the residual with
-        that norm pending (kernels.linear.PendingNorm) instead."""
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """positions: [T]; hidden: [T, H] -> [T, H]. q and k are normalized per head (Qwen3),
+        rotated and stored with v by the attention layer."""
+        qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = (linear_normed(x, self.qkv_proj.weight, self.qkv_proj.bias) if isinstance(x, PendingNorm)
-               else self.qkv_proj(x))
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
         out = self.attn(q, k, v, ctx, positions, self.rotary_emb.cos_sin_cache, norm)
-        if then is not None:
-            pending = self.o_proj.forward_add_norm(out, *then)
-            if pending is not None:
-                return pending
         return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, *, kernels: KernelConfig):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, kernels=kernels)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, kernels=kernels, norm_after=True)
+        self.act_fn = SiluAndMul(kernels=kernels)
 
-    def forward(self, x: torch.Tensor | PendingNorm, then: tuple | None = None) -> torch.Tensor | PendingNorm:
-        """The MLP of x, normalized rows or a PendingNorm (whose norm gate_up applies). then =
-        (residual, norm): where down_proj can, its output plus the residual with that norm pending."""
-        gate_up = (linear_normed(x, self.gate_up_proj.weight, self.gate_up_proj.bias) if isinstance(x, PendingNorm)
-                   else self.gate_up_proj(x))
-        act = silu_and_mul(gate_up)
-        if then is not None:
-            pending = self.down_proj.forward_add_norm(act, *then)
-            if pending is not None:
-                return pending
-        return self.down_proj(act)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> [T, H]."""
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, attn: nn.Module, mlp: nn.Module):
+    def __init__(self, cfg, attn: nn.Module, mlp: nn.Module, *, kernels: KernelConfig):
         super().__init__()
         self.self_attn = attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # between two GEMMs: at decode sizes on a GPU the GEMMs carry them (engine/layers/norm.py)
+        self.input_layernorm = PendingRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels=kernels)
+        self.post_attention_layernorm = PendingRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels=kernels)
 
-    def forward(self, positions, hidden, residual, ctx, next_norm: RMSNorm | None = None):
-        """-> (output, residual), or (PendingNorm, None) with next_norm (the next layer's input
-        norm) left pending. At decode sizes on a GPU a norm rides on the GEMM ahead of it and the
-        GEMM after it (kernels.linear.PendingNorm) instead of a launch of its own."""
-        if isinstance(hidden, PendingNorm):  # the layer ahead left this layer's input norm pending
-            x, residual = hidden, hidden.s
-        elif residual is None:
-            x, residual = self.input_layernorm(hidden), hidden
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden, residual: [T, H] (residual None for the first layer) -> (output, residual)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
         else:
-            x, residual = self.input_layernorm(hidden, residual)
-        out = self.self_attn(positions, x, ctx, then=(residual, self.post_attention_layernorm))
-        if isinstance(out, PendingNorm):
-            x, residual = out, out.s
-        else:
-            x, residual = self.post_attention_layernorm(out, residual)
-        out = self.mlp(x, None if next_norm is None else (residual, next_norm))
-        return out, None if isinstance(out, PendingNorm) else residual
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg, make_layer: Callable[[int], DecoderLayer]):
+    def __init__(self, cfg, make_layer: Callable[[int], DecoderLayer], *, kernels: KernelConfig):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(make_layer(i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels=kernels)
 
-    def forward(self, input_ids, positions, ctx):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        pend_input = kernels_linear.FOLD_INPUT_NORM
-        for i, layer in enumerate(self.layers):
-            next_norm = self.layers[i + 1].input_layernorm if pend_input and i + 1 < len(self.layers) else None
-            hidden, residual = layer(positions, hidden, residual, ctx, next_norm)
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, ctx)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -134,13 +114,14 @@ class CausalLM(nn.Module):
         ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def __init__(self, cfg, parallel: ParallelConfig):
+    def __init__(self, cfg, parallel: ParallelConfig, kernels: KernelConfig):
         super().__init__()
         self.config = cfg
         self.parallel = parallel
-        self.model = DecoderModel(cfg, self.make_layer)
+        self.kernels = kernels
+        self.model = DecoderModel(cfg, self.make_layer, kernels=kernels)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, kernels=kernels)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -166,22 +147,23 @@ class CausalLM(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     def make_layer(self, i: int) -> DecoderLayer:
-        cfg = self.config
+        cfg, kernels = self.config, self.kernels
         bias = getattr(cfg, "attention_bias", False)
-        return DecoderLayer(cfg, LlamaAttention(cfg, i, bias, bias, qk_norm=False),
-                            LlamaMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "mlp_bias", False)))
+        return DecoderLayer(cfg, LlamaAttention(cfg, i, bias, bias, qk_norm=False, kernels=kernels),
+                            LlamaMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "mlp_bias", False),
+                                     kernels=kernels), kernels=kernels)
 
 
 class Qwen2ForCausalLM(CausalLM):
     def make_layer(self, i: int) -> DecoderLayer:
-        cfg = self.config
-        return DecoderLayer(cfg, LlamaAttention(cfg, i, qkv_bias=True, o_bias=False, qk_norm=False),
-                            LlamaMLP(cfg.hidden_size, cfg.intermediate_size))
+        cfg, kernels = self.config, self.kernels
+        return DecoderLayer(cfg, LlamaAttention(cfg, i, qkv_bias=True, o_bias=False, qk_norm=False, kernels=kernels),
+                            LlamaMLP(cfg.hidden_size, cfg.intermediate_size, kernels=kernels), kernels=kernels)
 
 
 class Qwen3ForCausalLM(CausalLM):
     def make_layer(self, i: int) -> DecoderLayer:
-        cfg = self.config
+        cfg, kernels = self.config, self.kernels
         bias = getattr(cfg, "attention_bias", False)
-        return DecoderLayer(cfg, LlamaAttention(cfg, i, bias, bias, qk_norm=True),
-                            LlamaMLP(cfg.hidden_size, cfg.intermediate_size))
+        return DecoderLayer(cfg, LlamaAttention(cfg, i, bias, bias, qk_norm=True, kernels=kernels),
+                            LlamaMLP(cfg.hidden_size, cfg.intermediate_size, kernels=kernels), kernels=kernels)

@@ -27,19 +27,21 @@ class MoECausalLM(CausalLM):
 
 class Qwen3MoeForCausalLM(MoECausalLM):
     def make_layer(self, i: int) -> DecoderLayer:
-        cfg = self.config
+        cfg, kernels = self.config, self.kernels
         sparse = (i not in (getattr(cfg, "mlp_only_layers", None) or []) and cfg.num_experts > 0
                   and (i + 1) % cfg.decoder_sparse_step == 0)
         mlp = (FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
-                        cfg.norm_topk_prob, self.parallel)
-               if sparse else LlamaMLP(cfg.hidden_size, cfg.intermediate_size))
+                        cfg.norm_topk_prob, self.parallel, kernels=kernels)
+               if sparse else LlamaMLP(cfg.hidden_size, cfg.intermediate_size, kernels=kernels))
         bias = getattr(cfg, "attention_bias", False)
-        return DecoderLayer(cfg, LlamaAttention(cfg, i, bias, bias, qk_norm=True), mlp)
+        return DecoderLayer(cfg, LlamaAttention(cfg, i, bias, bias, qk_norm=True, kernels=kernels), mlp,
+                            kernels=kernels)
 
 
 class MixtralForCausalLM(MoECausalLM):
     def make_layer(self, i: int) -> DecoderLayer:
-        cfg = self.config
+        cfg, kernels = self.config, self.kernels
         mlp = FusedMoE(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size,
-                       True, self.parallel)
-        return DecoderLayer(cfg, LlamaAttention(cfg, i, False, False, qk_norm=False), mlp)
+                       True, self.parallel, kernels=kernels)
+        return DecoderLayer(cfg, LlamaAttention(cfg, i, False, False, qk_norm=False, kernels=kernels), mlp,
+                            kernels=kernels)

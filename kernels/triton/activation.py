@@ -19,7 +19,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_out, BLOCK: tl.cons
     tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_triton(x: torch.Tensor, pdl: bool = True) -> torch.Tensor:
     """x: [..., 2 * d] -> [..., d] in x.dtype."""
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, x.shape[-1])
@@ -29,5 +29,5 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] and d:
         block = min(1024, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, d, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4, **launch_args(x2))
+            x2, out, d, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4, **launch_args(x2, pdl))
     return out.view(*x.shape[:-1], d)

@@ -51,7 +51,7 @@ def _argmax_kernel(x_ptr, out_ptr, part_v_ptr, part_i_ptr, ticket_ptr, V, stride
             tl.atomic_xchg(ticket_ptr + row, 0, sem="relaxed", scope="gpu")
 
 
-def argmax_triton(x: torch.Tensor) -> torch.Tensor:
+def argmax_triton(x: torch.Tensor, pdl: bool = True) -> torch.Tensor:
     """x: [N, V] float -> [N] int64, the index of each row's maximum (torch.argmax(x, -1))."""
     n, vocab = x.shape
     out = torch.empty(n, dtype=torch.int64, device=x.device)
@@ -68,5 +68,5 @@ def argmax_triton(x: torch.Tensor) -> torch.Tensor:
     part_i = torch.empty(n, splits, dtype=torch.int32, device=x.device)
     _argmax_kernel[(splits, n)](x, out, part_v, part_i, tickets(x.device), vocab, x.stride(0),
                                 SPLITS=splits, S_PAD=triton.next_power_of_2(splits), BLOCK=block, num_warps=8 if block >= 2048 else 4,
-                                **launch_args(x))
+                                **launch_args(x, pdl))
     return out

@@ -46,7 +46,7 @@ def _store_kvcache_kernel(
 
 def store_kvcache_triton(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor, pdl: bool = True,
 ) -> None:
     """key, value: [T, Hk, D]; slot_mapping: [T] int (negative = padding, not stored)."""
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -62,7 +62,7 @@ def store_kvcache_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         num_kv_heads, head_dim,
         PAGE=k_cache.shape[1], H_PAD=triton.next_power_of_2(num_kv_heads),
-        D_PAD=triton.next_power_of_2(head_dim), num_warps=4, **launch_args(key),
+        D_PAD=triton.next_power_of_2(head_dim), num_warps=4, **launch_args(key, pdl),
     )
 
 
@@ -78,8 +78,8 @@ def _attend_tiles(
     OFFS_32: cache offsets fit 32 bits (cheaper address arithmetic). DENSE: key n is row n
     from k_base / v_base (row strides stride_ko / stride_vo), no block table. BT_SCALAR (PAGE
     divides BLOCK_N): a tile's block-table entries are read as BLOCK_N // PAGE scalars and spread
-    over its rows in registers, not as a vector of one entry per row (H100, 256 x 64 tiles: 3%
-    faster; benchmarks/notes_kernels.md, ninth round)."""
+    over its rows in registers, not as a vector of one entry per row (a vector load of the table
+    makes Triton's pipeliner wait for every copy in flight at each tile)."""
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         if MASKED:
@@ -331,7 +331,7 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
     small) for sequences whose queries fit one narrow tile, and wide tiles for the rest; each
     launch's programs skip the other's sequences, so decodes never run on 128-row tiles.
     dense: the wide launch reads keys from the new tokens (DENSE); 128 x 64 tiles, 8 warps, 3
-    stages measured best for that (H100, T=4096: 296 us vs 338 us with the paged plan's tiles).
+    stages measured best for that (the paged plan's 256 x 64 tiles are slower there).
     """
     num_tokens, num_heads, head_dim = q.shape
     d_pad = triton.next_power_of_2(head_dim)
@@ -361,7 +361,7 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
         wide = dict(BLOCK_M=max(128, block_m), BLOCK_N=64, NUM_SPLITS=1, num_warps=8, num_stages=3)
     elif small and q.element_size() == 2 and triton.cdiv(num_tokens, 256 // group) * num_kv_heads <= sms // 2:
         # 256-row tiles would leave half the SMs idle (a 512-token chunk behind its context):
-        # 64-row tiles, 4x the programs (H100, 512 new tokens at 4k / 8k: 99 / 185 us vs 162 / 310)
+        # 64-row tiles, 4x the programs
         wide = dict(BLOCK_M=max(64, block_m), BLOCK_N=64, NUM_SPLITS=1, num_warps=4, num_stages=3)
     elif small and q.element_size() == 2:  # 256 x 64 tiles, 3 stages: 160 KB of shared memory
         wide = dict(BLOCK_M=max(256, block_m), BLOCK_N=64, NUM_SPLITS=1, num_warps=8, num_stages=3,
@@ -380,6 +380,7 @@ def paged_attention_triton(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
     max_query_len: int | None = None, max_seq_len: int | None = None,
     dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope: "NewTokens | None" = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hk, D]; block_tables: [S, max_blocks] int32;
     seq_lens: [S] (context incl. the new tokens); query_start_loc: [S+1]. Returns [T, Hq, D].
@@ -393,12 +394,13 @@ def paged_attention_triton(
     kernels.rotary.rotary_store_kvcache would have done in a launch of its own.
     """
     return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                            max_query_len, max_seq_len, dense_kv=dense_kv, rope=rope)
+                            max_query_len, max_seq_len, dense_kv=dense_kv, rope=rope, pdl=pdl)
 
 
 def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                      max_query_len=None, max_seq_len=None, plan: dict | None = None,
-                     dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope=None):
+                     dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope=None,
+                     pdl: bool = True):
     """paged_attention_triton with an optional explicit launch plan (benchmark sweeps)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
@@ -458,12 +460,12 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             BT_SCALAR=p.get("BT_SCALAR", False) and p["BLOCK_N"] % page == 0,
             ROPE=rope is not None, QK_NORM=rope is not None and rope.qk_norm is not None,
             ROT=rope.cos_sin_cache.shape[-1] if rope is not None else 0,
-            num_warps=p["num_warps"], num_stages=p["num_stages"], **launch_args(q),
+            num_warps=p["num_warps"], num_stages=p["num_stages"], **launch_args(q, pdl),
         )
         if splits > 1:
             _merge_splits_kernel[(num_tokens, num_heads)](
                 out, part_acc, part_ml, query_start_loc, seq_lens, num_seqs, p["Q_RANGE"][1], head_dim,
                 out.stride(0), out.stride(1), NUM_SPLITS=splits, D_PAD=d_pad, BLOCK_Q=block_q,
-                BLOCK_N=p["BLOCK_N"], num_warps=4, **launch_args(q),
+                BLOCK_N=p["BLOCK_N"], num_warps=4, **launch_args(q, pdl),
             )
     return out

@@ -13,8 +13,8 @@ new residual s, written as the output; s times the norm weight (rounded) goes to
 strip's share of each row's sum of squares of s to ss_ptr[row, strip]. NORM_IN (the GEMM after,
 whose A is that sg): after the wait it sums the row's partials into rstd = rsqrt(mean(s^2) + eps)
 and scales its output by it, which commutes with the dot. No per-tile work on either side, so
-wide GEMMs pay nothing per program for it (the norm folded into the A tiles did; RESULTS.md,
-tenth round). Rounding differs from norm-then-GEMM by about one bf16 rounding of the input.
+wide GEMMs pay nothing per program for it (a norm folded into the A tiles makes every program
+redo it). Rounding differs from norm-then-GEMM by about one bf16 rounding of the input.
 """
 import torch
 import triton
@@ -24,7 +24,6 @@ from tandem.kernels.triton.device import MAX_TICKETS, num_sms, tickets
 from tandem.kernels.triton.pdl import launch_args, wait_previous
 
 MAX_ROWS = 16
-_PRELOAD = True  # the first weight tile before the wait (H100: -0.06 ms a Llama-8B b=1 step; RESULTS)
 
 
 @triton.jit
@@ -88,7 +87,7 @@ def _skinny_gemm_kernel(
 ):
     """PRELOAD: the first weight tile is loaded before waiting for the kernel ahead (PDL): it does
     not depend on it, and the kernel ahead (a norm, the attention merge) leaves HBM idle
-    meanwhile. (Two tiles measured slower; benchmarks/notes_kernels.md, seventh round.)
+    meanwhile. (Two tiles measured slower.)
     NORM_OUT / NORM_IN (ss_in_ptr [rows, in_strips] partials, S_PAD >= in_strips): see the module
     docstring."""
     pid_n = tl.program_id(0)
@@ -153,9 +152,8 @@ def _skinny_gemm_kernel(
 
 def _config(n: int, k: int, sms: int) -> dict:
     """16-column strips; K split in two until the grid has ~2 programs per SM or a split would be
-    under 256 deep; 256-deep K tiles where a split is >= 2048 deep. From an H100 sweep at M=1
-    (benchmarks/notes_kernels.md, seventh round): Llama-8B and Qwen3-30B-A3B projections within
-    ~0.5 us of the best of 48 plans each."""
+    under 256 deep; 256-deep K tiles where a split is >= 2048 deep. Near the best of a sweep of 48
+    plans for each Llama-8B and Qwen3-30B-A3B projection at M=1 (benchmarks/RESULTS.md)."""
     strips = triton.cdiv(n, 16)
     split = 1
     while strips * split < 2 * sms and k // (2 * split) >= 256 and split < 16:
@@ -163,14 +161,16 @@ def _config(n: int, k: int, sms: int) -> dict:
     return dict(BLOCK_N=16, BLOCK_K=256 if k // split >= 2048 else 128, SPLIT_K=split, num_warps=2, num_stages=4)
 
 
-def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
-    """x: [M, K] with M <= MAX_ROWS; weight: [N, K] -> x @ weight.T, [M, N] in x.dtype."""
-    return _launch(x, weight, cfg)[0]
+def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, cfg: dict | None = None,
+                         pdl: bool = True) -> torch.Tensor:
+    """x: [M, K] with M <= MAX_ROWS; weight: [N, K] -> x @ weight.T, [M, N] in x.dtype. cfg: a tile
+    plan (benchmark sweeps; PRELOAD=False keeps the first weight tile behind the PDL wait)."""
+    return _launch(x, weight, cfg, pdl)[0]
 
 
 def skinny_linear_add_norm_triton(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-    cfg: dict | None = None,
+    cfg: dict | None = None, pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The GEMM ahead of an RMSNorm (NORM_OUT): x: [M, K]; weight: [N, K]; residual: [M, N];
     norm_weight: [N] -> (s = x @ weight.T + residual, sg = s * norm_weight, ss [MAX_ROWS, strips]
@@ -179,20 +179,21 @@ def skinny_linear_add_norm_triton(
     if residual.shape != (m, n) or norm_weight.shape != (n,):
         raise ValueError(f"skinny_linear_add_norm: output ({m}, {n}), residual {tuple(residual.shape)}, "
                          f"norm weight {tuple(norm_weight.shape)}")
-    return _launch(x, weight, cfg, norm_out=(residual, norm_weight))
+    return _launch(x, weight, cfg, pdl, norm_out=(residual, norm_weight))
 
 
 def skinny_linear_normed_triton(
     sg: torch.Tensor, weight: torch.Tensor, ss: torch.Tensor, eps: float, cfg: dict | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """The GEMM after (NORM_IN): sg, ss from skinny_linear_add_norm_triton -> rms_norm(s) @ weight.T
     (sg @ weight.T times each row's rsqrt(mean(s^2) + eps))."""
     if ss.dim() != 2 or ss.shape[0] != MAX_ROWS or ss.dtype != torch.float32:
         raise ValueError(f"skinny_linear_normed: ss {tuple(ss.shape)} {ss.dtype}, expected [{MAX_ROWS}, strips] float32")
-    return _launch(sg, weight, cfg, norm_in=(ss, eps))[0]
+    return _launch(sg, weight, cfg, pdl, norm_in=(ss, eps))[0]
 
 
-def _launch(x, weight, cfg, norm_out=None, norm_in=None):
+def _launch(x, weight, cfg, pdl, norm_out=None, norm_in=None):
     m, k = x.shape
     n = weight.shape[0]
     if m > MAX_ROWS or weight.shape[1] != k:
@@ -219,7 +220,7 @@ def _launch(x, weight, cfg, norm_out=None, norm_in=None):
         residual, norm_weight, sg, ss, ss_in, ss_in.shape[1] if norm_in is not None else 1, eps,
         residual.stride(0), sg.stride(0),
         BLOCK_M=MAX_ROWS, SPLIT_K=split, EVEN_K=k % (split * cfg["BLOCK_K"]) == 0,
-        PRELOAD=cfg.pop("PRELOAD", _PRELOAD), NORM_OUT=norm_out is not None, NORM_IN=norm_in is not None,
-        S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in is not None else 1, **cfg, **launch_args(x),
+        PRELOAD=cfg.pop("PRELOAD", True), NORM_OUT=norm_out is not None, NORM_IN=norm_in is not None,
+        S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in is not None else 1, **cfg, **launch_args(x, pdl),
     )
     return out, sg, ss

@@ -10,7 +10,7 @@ elsewhere) are skipped.
 Decode-sized batches (at most _PAIR_BLOCKS pairs) skip the grouping: each (token, slot) pair is
 a block of its own, its expert read from topk_ids inside both GEMMs (three launches, not four).
 A second GEMM that summed a token's pairs in its epilogue measured slower (one program per
-token and N tile streams all k experts one after the other; benchmarks/notes_kernels.md).
+token and N tile streams all k experts one after the other).
 
 Grouping produces, for max_blocks = cdiv(P, BLOCK_M) + min(E, P) blocks (P = T * top_k):
   sorted_pairs:  [max_blocks * BLOCK_M] int32, pair index (token * top_k + slot) of each row
@@ -29,19 +29,6 @@ from tandem.kernels.triton.routing import check_routing, topk_of_rows, topk_rout
 _PAIR_BLOCKS = 16  # at most this many pairs: no grouping, a block per pair (decode)
 _SMALL_PAIRS = 1024  # at most this many pairs: one-program grouping kernel
 _CHUNK = 128  # pairs per program (large batches) / per step (small batches)
-# With a block per pair, the last pair of a token to finish an N tile sums the token's rows (no
-# sum launch). H100, Qwen3-30B-A3B shape, batch 1: -0.03 ms a decode step (benchmarks/RESULTS.md,
-# A/B of decode variants; benchmarks/ab_decode.py switches it)
-FUSED_SUM = True
-# With a block per pair, the first expert GEMM ranks the router's experts itself (no routing
-# launch); benchmarks/ab_decode.py switches it
-FUSED_ROUTING = True
-# ... where each program ranks only as far as its own slot (the N-tile-0 program, which writes the
-# weight, all k); benchmarks/ab_decode.py switches it
-PARTIAL_TOPK = True
-# ... and the second GEMM ranks its pair's expert too, before its PDL wait (H100 Qwen3 b=1: -0.02 ms;
-# benchmarks/RESULTS.md, tenth round); benchmarks/ab_decode.py switches it
-EARLY_EXPERT = True
 
 
 @triton.jit
@@ -147,7 +134,7 @@ def _align_scatter_kernel(ids_ptr, chunk_base_ptr, seg_start_ptr, sorted_ptr, nu
     tl.store(sorted_ptr + start + before + _rank_in_chunk(e, CHUNK), p, mask=valid)
 
 
-def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int, max_blocks: int):
+def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int, max_blocks: int, pdl: bool):
     """Group the (token, slot) pairs by expert; see the module docstring. No host sync."""
     dev, num_pairs = topk_ids.device, topk_ids.numel()
     e_pad = triton.next_power_of_2(num_experts)
@@ -157,18 +144,20 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int, max_blocks: i
     if num_pairs <= _SMALL_PAIRS:
         _align_small_kernel[(1,)](
             topk_ids, sorted_pairs, block_expert, block_rows, num_pairs, num_experts, max_blocks,
-            BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_CHUNK // 2, num_warps=8, **launch_args(topk_ids),
+            BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_CHUNK // 2, num_warps=8, **launch_args(topk_ids, pdl),
         )
         return sorted_pairs, block_expert, block_rows
     num_chunks = triton.cdiv(num_pairs, _CHUNK)
     chunk_counts = torch.empty(num_chunks, e_pad, device=dev, dtype=torch.int32)
     seg_start = torch.empty(e_pad, device=dev, dtype=torch.int32)
     _align_count_kernel[(num_chunks,)](topk_ids, chunk_counts, num_pairs, num_experts,
-                                       E_PAD=e_pad, CHUNK=_CHUNK, num_warps=4, **launch_args(topk_ids))
+                                       E_PAD=e_pad, CHUNK=_CHUNK, num_warps=4, **launch_args(topk_ids, pdl))
     _align_offsets_kernel[(1,)](chunk_counts, seg_start, block_expert, block_rows, num_chunks,
-                                max_blocks, BLOCK_M=block_m, E_PAD=e_pad, ROWS=16, num_warps=8, **launch_args(topk_ids))
+                                max_blocks, BLOCK_M=block_m, E_PAD=e_pad, ROWS=16, num_warps=8,
+                                **launch_args(topk_ids, pdl))
     _align_scatter_kernel[(num_chunks,)](topk_ids, chunk_counts, seg_start, sorted_pairs, num_pairs,
-                                         num_experts, E_PAD=e_pad, CHUNK=_CHUNK, num_warps=4, **launch_args(topk_ids))
+                                         num_experts, E_PAD=e_pad, CHUNK=_CHUNK, num_warps=4,
+                                         **launch_args(topk_ids, pdl))
     return sorted_pairs, block_expert, block_rows
 
 
@@ -233,7 +222,7 @@ def _grouped_gemm_kernel(
     PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, FUSED_SUM: tl.constexpr, K_PAD: tl.constexpr,
     ROUTE: tl.constexpr, E_PAD: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
-    PARTIAL: tl.constexpr, EARLY_EXPERT: tl.constexpr, NORM_IN: tl.constexpr, S_PAD: tl.constexpr,
+    EARLY_EXPERT: tl.constexpr, NORM_IN: tl.constexpr, S_PAD: tl.constexpr,
     NORM_OUT: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[rows] = a[rows] @ w[e].T for the BLOCK_M rows of one expert block.
@@ -248,10 +237,10 @@ def _grouped_gemm_kernel(
     ROUTE (PAIRS, first GEMM, every expert held here): the pair's expert and weight come from the
     router logits [T, E] (logits_ptr): each program ranks its token's experts as
     kernels/triton/routing.py does and takes its slot's; the N tile 0 program writes them to
-    block_expert_ptr / topk_w_ptr for the second GEMM. (No routing launch ahead of it.)
-    PARTIAL (with ROUTE): a program ranks only as far as its own slot, the N tile 0 program (the
-    renormalized weight needs all k) to the end; the ranking delays every program's first
-    weight load, so the short ones start streaming sooner.
+    block_expert_ptr / topk_w_ptr for the second GEMM. (No routing launch ahead of it.) A program
+    ranks only as far as its own slot, the N tile 0 program (the renormalized weight needs all k)
+    to the end: the ranking delays every program's first weight load, so the short ones start
+    streaming sooner.
     EARLY_EXPERT (PAIRS, second GEMM after a ROUTE one): the pair's expert is ranked from the
     router logits (two launches back, complete) before the wait, not read from the first GEMM.
     NORM_IN (first GEMM): a rows are s * norm weight from a NORM_OUT GEMM (kernels/triton/linear.py)
@@ -269,13 +258,9 @@ def _grouped_gemm_kernel(
                                      TOP_K, K_PAD, E_PAD, SOFTMAX, False)
     wait_previous(PDL)
     if ROUTE:
-        if PARTIAL:
-            expert, weight = _rank_pair(logits_ptr, stride_l, block, num_experts,
-                                        tl.where(pid_n == 0, TOP_K, block % TOP_K + 1),
-                                        TOP_K, K_PAD, E_PAD, SOFTMAX, RENORMALIZE)
-        else:
-            expert, weight = _rank_pair(logits_ptr, stride_l, block, num_experts, None,
-                                        TOP_K, K_PAD, E_PAD, SOFTMAX, RENORMALIZE)
+        expert, weight = _rank_pair(logits_ptr, stride_l, block, num_experts,
+                                    tl.where(pid_n == 0, TOP_K, block % TOP_K + 1),
+                                    TOP_K, K_PAD, E_PAD, SOFTMAX, RENORMALIZE)
         if pid_n == 0:
             tl.store(block_expert_ptr + block, expert)
             tl.store(topk_w_ptr + block, weight)
@@ -365,7 +350,7 @@ def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
     if num_pairs <= _PAIR_BLOCKS:
         # narrow tiles, 2 warps: enough programs to keep every SM streaming an expert's rows
-        # (H100 sweep, benchmarks/notes_kernels.md: 45.6 vs 46.4 us at 1 token, 66.0 vs 70.9 at 2)
+        # (each GEMM's fastest plan in a sweep at 1 and 2 tokens)
         cfg = dict(BLOCK_M=16, BLOCK_N1=16, BLOCK_N2=32, BLOCK_K=128, num_warps=2, num_stages=3)
     elif rows_per_expert <= 16:
         cfg = dict(BLOCK_M=16, BLOCK_N1=64, BLOCK_N2=64, BLOCK_K=128, num_warps=4, num_stages=4)
@@ -380,39 +365,40 @@ def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
 
 def fused_experts_triton(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
+    topk_ids: torch.Tensor, pdl: bool = True,
 ) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_weights: [T, k]; topk_ids: [T, k] int
     (negative = skipped). Returns sum_k weight_k * expert_k(x): [T, H] in x.dtype."""
-    return _fused_experts(x, w13, w2, topk_weights, topk_ids)
+    return _fused_experts(x, w13, w2, topk_weights, topk_ids, pdl=pdl)
 
 
 def routed_experts_triton(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
     renormalize: bool, scoring: str = "softmax", norm_in: tuple[torch.Tensor, float] | None = None,
-    norm_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    norm_out: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_routing_triton, then fused_experts_triton, every expert held here. With a block per
-    pair (decode) and FUSED_ROUTING, the first expert GEMM ranks the experts itself: one launch
+    pair (decode), the first expert GEMM ranks the experts itself: one launch
     fewer, the same weights and experts. norm_in = (ss, eps): x is s * norm weight and ss the
     partial sums of squares from kernels/triton/linear.py skinny_linear_add_norm_triton; the
     experts see rms_norm(s). norm_out = (residual, norm weight): returns (s, sg, ss), the output
     plus the residual with the next RMSNorm left pending (kernels/triton/linear.py)."""
     num_tokens = x.shape[0]
-    if not (FUSED_ROUTING and 0 < num_tokens * top_k <= _PAIR_BLOCKS):
-        weights, ids = topk_routing_triton(router_logits, top_k, renormalize, scoring)
-        return _fused_experts(x, w13, w2, weights, ids, norm_in=norm_in, norm_out=norm_out)
+    if not 0 < num_tokens * top_k <= _PAIR_BLOCKS:
+        weights, ids = topk_routing_triton(router_logits, top_k, renormalize, scoring, pdl)
+        return _fused_experts(x, w13, w2, weights, ids, norm_in=norm_in, norm_out=norm_out, pdl=pdl)
     check_routing(router_logits, top_k, scoring)  # (topk_routing_triton checks on the other path)
     weights = torch.empty(num_tokens, top_k, device=x.device, dtype=torch.float32)
     ids = torch.empty(num_tokens, top_k, device=x.device, dtype=torch.int32)
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     return _fused_experts(x, w13, w2, weights, ids, router=(logits, renormalize, scoring == "softmax"),
-                          norm_in=norm_in, norm_out=norm_out)
+                          norm_in=norm_in, norm_out=norm_out, pdl=pdl)
 
 
 def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, router: tuple | None = None,
-                   norm_in: tuple | None = None, norm_out: tuple | None = None):
-    """fused_experts_triton with an optional explicit tile config (benchmark sweeps). router =
+                   norm_in: tuple | None = None, norm_out: tuple | None = None, pdl: bool = True):
+    """fused_experts_triton with an optional explicit tile config (benchmark sweeps, tests; FUSED_SUM=False
+    forces the sum launch). router =
     (logits [T, E], renormalize, softmax): topk_weights / topk_ids are outputs, filled by the
     first GEMM (a block per pair only). norm_in / norm_out: see routed_experts_triton."""
     num_tokens, hidden = x.shape
@@ -441,14 +427,14 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
         raise ValueError("routing in the expert GEMM needs a block per pair")
     logits, renormalize, softmax = router if router is not None else (out, False, True)
     route = dict(ROUTE=router is not None, E_PAD=triton.next_power_of_2(num_experts), SOFTMAX=softmax,
-                 RENORMALIZE=renormalize, PARTIAL=cfg.get("PARTIAL", PARTIAL_TOPK))
+                 RENORMALIZE=renormalize)
     if pairs:
         # A block per pair (its expert read in the kernel): no grouping launch.
         num_blocks, act_rows = num_pairs, num_pairs
         sorted_pairs = block_expert = block_rows = topk_ids
     else:
         num_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
-        sorted_pairs, block_expert, block_rows = _align(topk_ids, num_experts, block_m, num_blocks)
+        sorted_pairs, block_expert, block_rows = _align(topk_ids, num_experts, block_m, num_blocks, pdl)
         act_rows = num_blocks * block_m
     act = torch.empty(act_rows, inter, device=x.device, dtype=x.dtype)
     ss_in, eps = norm_in if norm_in is not None else (out, 0.0)
@@ -462,11 +448,11 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
         SCATTER_OUT=False, GATED=True, PAIRS=pairs, EVEN_K=hidden % meta1["BLOCK_K"] == 0, FUSED_SUM=False,
         K_PAD=k_pad, EARLY_EXPERT=False, NORM_IN=norm_in is not None, S_PAD=triton.next_power_of_2(in_strips),
         NORM_OUT=False,
-        **route, **meta1, **launch_args(x),
+        **route, **meta1, **launch_args(x, pdl),
     )
     pair_out = torch.empty(num_pairs, hidden, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(hidden, cfg["BLOCK_N2"])
-    fused_sum = cfg.get("FUSED_SUM", FUSED_SUM) and pairs and num_tokens * n_tiles <= MAX_TICKETS
+    fused_sum = cfg.get("FUSED_SUM", True) and pairs and num_tokens * n_tiles <= MAX_TICKETS
     sum_block = min(1024, triton.next_power_of_2(hidden))
     if norm_out is not None:
         residual, norm_weight = norm_out
@@ -483,21 +469,21 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
         out, tickets(x.device), logits, logits.stride(0), out, 1, 0.0, *norm_args, GATHER_A=False,
         SCATTER_OUT=True, GATED=False, PAIRS=pairs, NORM_IN=False, S_PAD=1, NORM_OUT=norm_out is not None,
         EVEN_K=inter % meta2["BLOCK_K"] == 0, FUSED_SUM=fused_sum, K_PAD=k_pad,
-        EARLY_EXPERT=router is not None and cfg.get("EARLY_EXPERT", EARLY_EXPERT),
-        **dict(route, ROUTE=False), **meta2, **launch_args(x),
+        EARLY_EXPERT=router is not None,
+        **dict(route, ROUTE=False), **meta2, **launch_args(x, pdl),
     )
     if not fused_sum:
-        _sum_topk(pair_out, topk_ids, out, num_experts, sum_block, norm_args, norm_out is not None)
+        _sum_topk(pair_out, topk_ids, out, num_experts, sum_block, norm_args, norm_out is not None, pdl)
     return (out, sg, ss) if norm_out is not None else out
 
 
 def _sum_topk(pair_out: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, num_experts: int,
-              block: int, norm_args: tuple, norm_out: bool) -> None:
+              block: int, norm_args: tuple, norm_out: bool, pdl: bool) -> None:
     """out[t] = sum of the token's pair rows of pair_out (pairs with a skipped expert left out);
     norm_out: plus the residual, the next norm left pending (norm_args = residual, weight, sg, ss)."""
     (num_tokens, top_k), hidden = topk_ids.shape, out.shape[1]
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](
         pair_out, topk_ids, out, hidden, num_experts, *norm_args,
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK=block, NORM_OUT=norm_out, num_warps=4,
-        **launch_args(out),
+        **launch_args(out, pdl),
     )

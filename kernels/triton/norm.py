@@ -39,7 +39,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch(x, res, weight, out, s, eps):
+def _launch(x, res, weight, out, s, eps, pdl):
     n_rows, n_cols = x.shape
     if n_rows == 0:
         return
@@ -48,24 +48,24 @@ def _launch(x, res, weight, out, s, eps):
     _rms_norm_kernel[(n_rows,)](
         x, res, weight, out, s, n_cols, eps,
         x.stride(0), res.stride(0), out.stride(0), s.stride(0),
-        HAS_RESIDUAL=res is not x, BLOCK=block, num_warps=warps, **launch_args(x),
+        HAS_RESIDUAL=res is not x, BLOCK=block, num_warps=warps, **launch_args(x, pdl),
     )
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = True) -> torch.Tensor:
     """x: [..., hidden], weight: [hidden] -> [..., hidden] (dtype as the reference's promotion)."""
     x2 = _rows(x)
     out = torch.empty(x2.shape, device=x.device, dtype=torch.result_type(x, weight))
-    _launch(x2, x2, weight, out, x2, eps)
+    _launch(x2, x2, weight, out, x2, eps, pdl)
     return out.view(x.shape)
 
 
 def fused_add_rms_norm_triton(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [..., hidden] -> (rms_norm(x + residual), x + residual); inputs untouched."""
     x2, r2 = _rows(x), _rows(residual)
     s = torch.empty(x2.shape, device=x.device, dtype=torch.result_type(x, residual))
     out = torch.empty(x2.shape, device=x.device, dtype=torch.result_type(s, weight))
-    _launch(x2, r2, weight, out, s, eps)
+    _launch(x2, r2, weight, out, s, eps, pdl)
     return out.view(x.shape), s.view(x.shape)

@@ -8,10 +8,11 @@ until the previous grid has completed and its writes are visible (`griddepcontro
 lets the next kernel be scheduled in turn, so the order of effects is the stream's. Only
 reads of what no kernel of the step writes come before it: the decode GEMM's first weight
 tile, and the step's metadata in attention, its split merge and rotary (query_start_loc,
-seq_lens, positions, cos/sin, slots: H100 Qwen3-30B-A3B b=1 decode -0.10 ms; RESULTS.md,
-tenth round). The step's metadata is copied in before the forward starts. Kernels that are
-not ours (cuBLAS, torch) are launched without PDL and wait for their predecessor as usual. Off
-on ROCm and on GPUs before Hopper, where the kernels compile without the two instructions.
+seq_lens, positions, cos/sin, slots), whose dependent loads then overlap the kernel ahead. The
+step's metadata is copied in before the forward starts. Kernels that are not ours (cuBLAS,
+torch) are launched without PDL and wait for their predecessor as usual. Off with
+KernelConfig.pdl false (`--no-pdl`), on ROCm and on GPUs before Hopper, where the kernels
+compile without the two instructions.
 """
 import functools
 
@@ -19,26 +20,18 @@ import torch
 import triton
 import triton.language as tl
 
-_enabled = True
-
-
-def set_enabled(enabled: bool) -> None:
-    """Turn PDL on or off for launches from now on (benchmarks compare both; graphs captured
-    before keep what they captured)."""
-    global _enabled
-    _enabled = enabled
-
 
 @functools.cache
 def _supported(device_index: int) -> bool:
     return torch.version.cuda is not None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def launch_args(t: torch.Tensor) -> dict:
+def launch_args(t: torch.Tensor, pdl: bool) -> dict:
     """Keyword arguments for a launch of one of our kernels on t's device: the PDL flag the
-    kernel passes to wait_previous, and Triton's launch_pdl where it is on."""
-    on = _enabled and t.is_cuda and _supported(t.device.index if t.device.index is not None else
-                                               torch.cuda.current_device())
+    kernel passes to wait_previous, and Triton's launch_pdl where it is on (pdl: KernelConfig.pdl,
+    and the GPU has it)."""
+    on = pdl and t.is_cuda and _supported(t.device.index if t.device.index is not None else
+                                          torch.cuda.current_device())
     return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
 
 

@@ -41,7 +41,7 @@ def _rotary_kernel(
 
 
 def apply_rotary_triton(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """positions: [T]; q: [T, Hq, D]; k: [T, Hk, D]; cos_sin_cache: [max_pos, rot_dim] = [cos | sin].
 
@@ -58,7 +58,7 @@ def apply_rotary_triton(
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
             HALF=half, HALF_PAD=triton.next_power_of_2(half),
             HQ_PAD=triton.next_power_of_2(num_q_heads), HK_PAD=triton.next_power_of_2(num_k_heads),
-            num_warps=4, **launch_args(q),
+            num_warps=4, **launch_args(q, pdl),
         )
     return q, k
 
@@ -145,7 +145,7 @@ def _rotary_store_kernel(
 def rotary_store_kvcache_triton(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, rotate_k: bool = False,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, rotate_k: bool = False, pdl: bool = True,
 ) -> torch.Tensor:
     """Same contract as kernels.rotary.rotary_store_kvcache_ref, in one launch (a program per
     token). q is normalized and rotated in place; k is normalized and rotated on its way into
@@ -170,6 +170,6 @@ def rotary_store_kvcache_triton(
         HALF=rot // 2, HALF_PAD=triton.next_power_of_2(rot // 2), ROT=rot,
         PASS_PAD=triton.next_power_of_2(head_dim - rot) if head_dim > rot else 0, PAGE=k_cache.shape[1],
         HQ_PAD=triton.next_power_of_2(num_q_heads), HK_PAD=triton.next_power_of_2(num_kv_heads),
-        ROTATE_K=rotate_k, num_warps=4, **launch_args(q),
+        ROTATE_K=rotate_k, num_warps=4, **launch_args(q, pdl),
     )
     return q

@@ -83,7 +83,7 @@ def check_routing(router_logits: torch.Tensor, top_k: int, scoring: str) -> None
 
 
 def topk_routing_triton(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax"
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax", pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits: [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int32)."""
     check_routing(router_logits, top_k, scoring)
@@ -97,6 +97,6 @@ def topk_routing_triton(
         _topk_routing_kernel[(triton.cdiv(num_tokens, rows),)](
             logits, weights, ids, num_tokens, num_experts, logits.stride(0),
             TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, ROWS=rows,
-            SOFTMAX=scoring == "softmax", RENORMALIZE=renormalize, num_warps=4, **launch_args(logits),
+            SOFTMAX=scoring == "softmax", RENORMALIZE=renormalize, num_warps=4, **launch_args(logits, pdl),
         )
     return weights, ids

@@ -7,7 +7,6 @@ teacher forcing and every chosen token's logprob must agree.
 import pytest
 import torch
 
-from tandem.kernels import linear as kernels_linear
 from tandem.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -55,8 +54,8 @@ def test_cuda_graph_and_eager_agree_bf16(tiny_models):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-def test_pending_norms_as_close_to_hf_as_norm_launches(tiny_models, arch, monkeypatch):
-    """bf16 decode with each RMSNorm carried by the GEMMs around it (kernels.linear.FOLD_NORM)
+def test_pending_norms_as_close_to_hf_as_norm_launches(tiny_models, arch):
+    """bf16 decode with each RMSNorm carried by the GEMMs around it (KernelConfig.fuse_norms)
     against HF in float32: the teacher-forced logprobs of the run's own greedy tokens are no
     further from HF's than those of a run with a launch per norm (a dropped 1/rms, residual or
     weight moves them by whole units)."""
@@ -64,8 +63,7 @@ def test_pending_norms_as_close_to_hf_as_norm_launches(tiny_models, arch, monkey
     hf = hf.to("cuda")
     err = {}
     for fold in (False, True):
-        monkeypatch.setattr(kernels_linear, "FOLD_NORM", fold)
-        llm = LLM(path, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=KV_BYTES)
+        llm = LLM(path, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=KV_BYTES, fuse_norms=fold)
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0))
         err[fold] = max(
             (torch.tensor([lp.logprobs[0] for lp in out.logprobs], device="cuda")

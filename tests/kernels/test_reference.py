@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.activation import silu_and_mul_ref
-from tandem.kernels.attention import paged_attention_ref, store_kvcache_ref
+from tandem.kernels.attention import paged_attention_ref
+from tandem.kernels.kv_cache import store_kvcache_ref
 from tandem.kernels.moe import fused_experts_ref, topk_routing
 from tandem.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from tandem.kernels.rotary import apply_rotary_ref, build_cos_sin_cache, rotary_store_kvcache_ref

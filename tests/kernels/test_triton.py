@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tandem.kernels.activation import silu_and_mul_ref
-from tandem.kernels.attention import paged_attention_ref, store_kvcache_ref
+from tandem.kernels.attention import paged_attention_ref
+from tandem.kernels.kv_cache import store_kvcache_ref
 from tandem.kernels.moe import fused_experts_ref, topk_routing, topk_routing_ref
 from tandem.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from tandem.kernels.rotary import apply_rotary_ref, build_cos_sin_cache, rotary_store_kvcache_ref
@@ -351,7 +352,6 @@ def test_pdl_chain_in_graph_matches_without():
     launch, cuBLAS between them) captured in a CUDA graph: replays on new inputs give the bits
     that the same chain gives with PDL off, so no kernel reads its input before the one ahead of
     it has written it."""
-    from tandem.kernels.triton import pdl
     from tandem.kernels.triton.activation import silu_and_mul_triton
     from tandem.kernels.triton.attention import paged_attention_triton
     from tandem.kernels.triton.moe import fused_experts_triton
@@ -367,26 +367,23 @@ def test_pdl_chain_in_graph_matches_without():
     w2 = torch.randn(E, H, inter, device=DEVICE, dtype=torch.bfloat16) / inter**0.5
     q, kc, vc, bt, seq_lens, qsl = _paged_inputs([1] * 4, [300, 20, 1000, 64], 4, 2, 128, 16, torch.bfloat16)
 
-    def chain():
-        h = rms_norm_triton(x, w_norm, 1e-6)
-        h = silu_and_mul_triton(h @ w_up.t()) @ w_down.t()
-        h, res = fused_add_rms_norm_triton(h, x, w_norm, 1e-6)
-        weights, ids = topk_routing_triton((h @ w_gate.t()).float(), k, renormalize=True)
-        h, _ = fused_add_rms_norm_triton(fused_experts_triton(h, w13, w2, weights, ids), res, w_norm, 1e-6)
-        attn = paged_attention_triton(q * h[:, :1, None], kc, vc, bt, seq_lens, qsl, 0.08, 1, None)
+    def chain(pdl: bool):
+        h = rms_norm_triton(x, w_norm, 1e-6, pdl)
+        h = silu_and_mul_triton(h @ w_up.t(), pdl) @ w_down.t()
+        h, res = fused_add_rms_norm_triton(h, x, w_norm, 1e-6, pdl)
+        weights, ids = topk_routing_triton((h @ w_gate.t()).float(), k, True, pdl=pdl)
+        h, _ = fused_add_rms_norm_triton(fused_experts_triton(h, w13, w2, weights, ids, pdl), res, w_norm, 1e-6,
+                                         pdl)
+        attn = paged_attention_triton(q * h[:, :1, None], kc, vc, bt, seq_lens, qsl, 0.08, 1, None, pdl=pdl)
         return h, attn
 
     results = []
-    for enabled in (False, True):
-        pdl.set_enabled(enabled)
-        try:
-            chain()  # compile outside capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outs = chain()
-        finally:
-            pdl.set_enabled(True)
+    for pdl in (False, True):
+        chain(pdl)  # compile outside capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = chain(pdl)
         torch.manual_seed(7)
         replays = []
         for _ in range(3):
@@ -502,7 +499,7 @@ def test_routed_experts_pending_norm(model, num_tokens):
 @pytest.mark.parametrize("model,num_tokens", [("qwen3_30b_a3b", 1), ("qwen3_30b_a3b", 2), ("mixtral_like", 1),
                                               ("mixtral_like", 7)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_experts_fused_sum(monkeypatch, model, num_tokens, dtype):
+def test_fused_experts_fused_sum(model, num_tokens, dtype):
     """The top-k sum done by the second expert GEMM (a block per pair) against the reference and
     against the separate sum kernel; tokens with experts owned elsewhere, and one with none here
     (its row must be zero). Two calls, so a ticket left behind would show."""
@@ -517,9 +514,8 @@ def test_fused_experts_fused_sum(monkeypatch, model, num_tokens, dtype):
         if num_tokens > 2:
             ids[2, :] = -1
         ref = fused_experts_ref(x, w13, w2, weights, ids)
-        monkeypatch.setattr(moe, "FUSED_SUM", False)
-        separate = moe.fused_experts_triton(x, w13, w2, weights, ids)
-        monkeypatch.setattr(moe, "FUSED_SUM", True)
+        separate = moe._fused_experts(x, w13, w2, weights, ids,
+                                      cfg=dict(moe._config(num_tokens * k, E, dtype), FUSED_SUM=False))
         _poison(num_tokens * k * H * 8)
         fused = moe.fused_experts_triton(x, w13, w2, weights, ids)
         assert _rel(fused, ref) < TOL[dtype]
@@ -531,7 +527,7 @@ def test_fused_experts_fused_sum(monkeypatch, model, num_tokens, dtype):
 @pytest.mark.parametrize("model,num_tokens", [("qwen3_30b_a3b", 1), ("qwen3_30b_a3b", 2), ("mixtral_like", 7),
                                               ("qwen3_30b_a3b", 5)])
 @pytest.mark.parametrize("scoring,renormalize", [("softmax", True), ("softmax", False), ("sigmoid", True)])
-def test_routed_experts(monkeypatch, model, num_tokens, scoring, renormalize):
+def test_routed_experts(model, num_tokens, scoring, renormalize):
     """Routing inside the first expert GEMM (a block per pair) gives the bits of the routing
     launch + experts, and matches the reference; ties in the logits go to the lower expert.
     5 tokens x top-8 is past a block per pair: the routing launch runs either way."""
@@ -546,9 +542,9 @@ def test_routed_experts(monkeypatch, model, num_tokens, scoring, renormalize):
         logits[0, E - k + 1:] = 2.0 + torch.arange(k - 1, device=DEVICE)
         logits[0, 5] = logits[0, 2] = 1.0
         fused = moe.routed_experts_triton(x, logits, w13, w2, k, renormalize, scoring)
-        monkeypatch.setattr(moe, "FUSED_ROUTING", False)
-        separate = moe.routed_experts_triton(x, logits, w13, w2, k, renormalize, scoring)
-        monkeypatch.setattr(moe, "FUSED_ROUTING", True)
+        from tandem.kernels.triton.routing import topk_routing_triton
+        weights_t, ids_t = topk_routing_triton(logits, k, renormalize, scoring)
+        separate = moe.fused_experts_triton(x, w13, w2, weights_t, ids_t)
         assert torch.equal(fused, separate)
         weights, ids = topk_routing_ref(logits, k, renormalize, scoring)
         assert _rel(fused, fused_experts_ref(x, w13, w2, weights, ids)) < TOL[torch.bfloat16]

@@ -74,6 +74,7 @@ def run_case(name: str) -> None:
     elif name.startswith("routed_experts"):
         from tandem.kernels.moe import fused_experts_ref, topk_routing_ref
         from tandem.kernels.triton import moe
+        from tandem.kernels.triton.routing import topk_routing_triton
         E, k, H, inter = 16, 4, 64, 32
         w13 = (torch.randn(E, 2 * inter, H) / H**0.5).half()
         w2 = (torch.randn(E, H, inter) / inter**0.5).half()
@@ -87,11 +88,11 @@ def run_case(name: str) -> None:
                 out = moe.routed_experts_triton(x, logits, w13, w2, k, True, scoring)
                 w, ids = topk_routing_ref(logits, k, True, scoring)
                 assert _rel(out, fused_experts_ref(x, w13, w2, w, ids)) < 5e-3, tokens
-                moe.FUSED_ROUTING, moe.FUSED_SUM = False, False
-                try:
-                    assert torch.equal(out, moe.routed_experts_triton(x, logits, w13, w2, k, True, scoring))
-                finally:
-                    moe.FUSED_ROUTING, moe.FUSED_SUM = True, True
+                # the same bits as the routing launch, then the experts with the sum launch
+                w_t, ids_t = topk_routing_triton(logits, k, True, scoring)
+                separate = moe._fused_experts(x, w13, w2, w_t, ids_t,
+                                              cfg=dict(moe._config(tokens * k, E, x.dtype), FUSED_SUM=False))
+                assert torch.equal(out, separate), tokens
         elif name == "routed_experts_pending_norm":  # rows s * g, the norm's 1/rms in the first GEMM
             from tandem.kernels.norm import rms_norm_ref
             from tandem.kernels.triton.linear import skinny_linear_add_norm_triton, skinny_linear_normed_triton

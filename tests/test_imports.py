@@ -1,0 +1,97 @@
+"""Import structure of the product code, read from the source (AST), not by importing it.
+
+Reference: ARCHITECTURE.md. No import cycle between our files (function-level imports count:
+a cycle hidden in a function is still two files that need each other), and imports follow the
+data flow router -> server -> engine -> kernels, with kernels importing nothing of ours.
+"""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ["server", "engine", "kernels", "connectors", "router"]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["tandem", *parts])
+
+
+def import_graph() -> dict[str, set[str]]:
+    """tandem module -> the tandem modules it imports (a `from package import name` counts as the
+    submodule package.name where that is a module, else as the package)."""
+    files = {_module_name(p): p for part in PARTS for p in (ROOT / part).rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + [base]).rstrip(".")
+                deps |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names}
+        graph[name] = {d for d in deps if d in files and d != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None (depth-first search, three colours)."""
+    state, stack = {}, []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_graph_reads_this_repository():
+    graph = import_graph()
+    assert "tandem.kernels.linear" in graph["tandem.engine.layers.linear"]
+
+
+def test_no_import_cycle_between_files():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# part -> the other parts it may import (ARCHITECTURE.md: kernels imports nothing of ours). The
+# server command starts every role, the router's included, and instances register with the
+# router, so server imports router (router/protocol.py is the typed wire format both speak) and
+# router never imports server.
+ALLOWED = {
+    "kernels": set(),
+    "engine": {"kernels", "connectors"},
+    "connectors": {"kernels", "engine"},
+    "server": {"engine", "connectors", "kernels", "router"},
+    "router": {"connectors"},
+}
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_imports_follow_the_data_flow(part):
+    bad = sorted(f"{m} -> {d}" for m, deps in import_graph().items() if m.split(".")[1] == part
+                 for d in deps if d.split(".")[1] not in ALLOWED[part] | {part})
+    assert not bad, "\n".join(bad)
