@@ -18,7 +18,8 @@ from tandem.engine.cuda_graphs import DecodeGraphs
 from tandem.engine.forward_context import ForwardContext
 from tandem.engine.loader import init_dummy_weights, load_weights
 from tandem.engine.models import model_class
-from tandem.engine.quantization import kv_cache_dtype, quantize_model
+from tandem.engine.layers.fp8 import quantize_model
+from tandem.engine.quantization import kv_cache_dtype
 from tandem.engine.parallel import expert_parallel, tp_size
 from tandem.engine.protocol import TokenLogprobs
 from tandem.engine.sampler import SamplingBatch, sample, token_logprobs

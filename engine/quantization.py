@@ -11,13 +11,10 @@ Supported on disk:
 Activations are always quantized dynamically (per token, or per token and bk columns with block
 weights); a checkpoint's static `*.input_scale` is not used.
 """
-import logging
 import re
 from dataclasses import dataclass
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("fp8",)
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -86,19 +83,6 @@ def fp8_scheme(hf_config, quantization: str | None) -> Fp8Scheme | None:
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
     raise ValueError(f"checkpoint quantization {method!r} is not supported (fp8 and compressed-tensors FP8 are)")
-
-
-def quantize_model(model: torch.nn.Module, hf_config, quantization: str | None) -> Fp8Scheme | None:
-    """Make the freshly built model's covered layers FP8 (engine/layers/fp8.py), before loading."""
-    scheme = fp8_scheme(hf_config, quantization)
-    if scheme is None:
-        return None
-    from tandem.engine.layers.fp8 import quantize_layers  # (the layers import this module)
-
-    count = quantize_layers(model, scheme)
-    logger.info("FP8: %d layers (%s, %s)", count, "quantized at load" if scheme.online else "checkpoint",
-                f"block {list(scheme.block)}" if scheme.block else "per-channel")
-    return scheme
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:

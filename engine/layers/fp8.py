@@ -12,6 +12,7 @@ to rows. `process_weights_after_loading` folds rows back into blocks where the p
 quantizes online (`--quantization fp8`), and converts to e4m3fnuz on MI300.
 """
 import functools
+import logging
 
 import torch
 from torch import nn
@@ -19,9 +20,11 @@ from torch import nn
 from tandem.engine.layers.linear import LinearBase
 from tandem.engine.layers.moe import FusedMoE
 from tandem.engine.parallel import tp_all_reduce, tp_rank, tp_size
-from tandem.engine.quantization import Fp8Scheme
+from tandem.engine.quantization import Fp8Scheme, fp8_scheme
 from tandem.kernels.fp8 import E4M3, e4m3fn_to_fnuz, fp8_dtype, fp8_linear, fused_experts_fp8, quantize_weight
 from tandem.kernels.linear import PendingNorm
+
+logger = logging.getLogger(__name__)
 
 
 def _fp8_param(shape, device) -> nn.Parameter:
@@ -224,3 +227,14 @@ def quantize_layers(model: nn.Module, scheme: Fp8Scheme) -> int:
 
 def _no_pending_norm(*args) -> None:
     return None
+
+
+def quantize_model(model: nn.Module, hf_config, quantization: str | None) -> Fp8Scheme | None:
+    """Make the freshly built model's covered layers FP8, before loading; None if it has no FP8."""
+    scheme = fp8_scheme(hf_config, quantization)
+    if scheme is None:
+        return None
+    count = quantize_layers(model, scheme)
+    logger.info("FP8: %d layers (%s, %s)", count, "quantized at load" if scheme.online else "checkpoint",
+                f"block {list(scheme.block)}" if scheme.block else "per-channel")
+    return scheme

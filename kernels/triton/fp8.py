@@ -248,7 +248,7 @@ def fused_experts_fp8_triton(
     cfg = cfg or moe_config(num_pairs, num_experts, block[1] if block else None)
     block_m = cfg["BLOCK_M"]
     num_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
-    grouping = (*_align(topk_ids, num_experts, block_m, num_blocks), num_blocks)
+    grouping = (*_align(topk_ids, num_experts, block_m, num_blocks, pdl=False), num_blocks)  # fp8 path: no PDL
     group = block[1] if block else None
     xq, xs = quantize_rows_triton(x.contiguous(), w13.dtype, group)
     act = torch.empty(num_blocks * block_m, inter, device=x.device, dtype=x.dtype)
@@ -258,5 +258,5 @@ def fused_experts_fp8_triton(
     _grouped(aq, as_, w2, w2_scale.contiguous(), pair_out, grouping, block, top_k, cfg, False, False, True,
              topk_weights)
     _sum_topk(pair_out, topk_ids, out, num_experts, min(1024, triton.next_power_of_2(hidden)),
-              (out, out, out, out), False)
+              (out, out, out, out), False, pdl=False)
     return out
