@@ -56,6 +56,15 @@ class TransferDone(msgspec.Struct, tag=True):
     error: str | None = None
 
 
+class FirstToken(msgspec.Struct, tag=True):
+    """Write mode, prefill -> decode: the prefill finished the prompt and sampled the first output
+    token (logprobs: [token_ids, logprobs, rank] when the request asked for them)."""
+
+    transfer_id: str
+    token_id: int
+    logprobs: list | None = None
+
+
 class AbortTransfer(msgspec.Struct, tag=True):
     """Write mode, decode -> prefill: the decode request is gone; stop pushing."""
 
@@ -108,7 +117,7 @@ class WriteDone(msgspec.Struct, tag=True):
     error: str | None = None
 
 
-Message = (Hello | HelloReply | DecodeBlocks | FreeBlocks | TransferDone | AbortTransfer | RankDone | ReadBlocks
+Message = (Hello | HelloReply | DecodeBlocks | FreeBlocks | TransferDone | FirstToken | AbortTransfer | RankDone | ReadBlocks
            | BlocksData | WriteBlocks | WriteDone)
 encoder = msgspec.msgpack.Encoder()
 decoder = msgspec.msgpack.Decoder(Message)
