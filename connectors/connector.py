@@ -11,7 +11,8 @@ output and starts with its decode step: the numbers of a collocated server's sec
 Read mode (decode pulls): prefill finishes the prompt and holds its blocks (HELD); decode
 shakes hands with prefill (rank -> KV-head maps), its ranks read the heads they need from the
 prefill ranks holding them, and decode tells prefill to free. Prefill frees at once when the
-decode that was to read is gone (its connection fails), else after hold_timeout_s.
+decode that was to read is gone (its connection fails, or the router dropped it and says so:
+PeerGone), else after hold_timeout_s.
 Write mode (prefill pushes): decode shakes hands and sends its block ids and layout; prefill
 starts the prompt once it has them, and its ranks push each layer's heads to the decode ranks
 right after computing it; each rank pair reports when its data has landed.
@@ -24,7 +25,7 @@ from tandem.connectors.agent import KVAgent, TransferError
 from tandem.connectors.layout import KVLayout, plan_pairs
 from tandem.connectors.params import KVTransferParams
 from tandem.connectors.protocol import (AbortTransfer, DecodeBlocks, FinishOp, FirstToken, FreeBlocks, Hello,
-                                        HelloReply, KVStepMeta, PushOp, RankDone, ReadOp, TransferDone)
+                                        HelloReply, KVStepMeta, PeerGone, PushOp, RankDone, ReadOp, TransferDone)
 from tandem.connectors.transfer import Transfer, TransferState as S, TransferTable
 from tandem.engine.config import KVTransferConfig
 from tandem.engine.request import Request, RequestStatus
@@ -84,6 +85,10 @@ class TandemConnector:
             if error:
                 logger.error("refused KV handshake from %s: %s", msg.engine_id, error)
             return HelloReply(self.engine_id, self.layout, error, self.transport, list(self.rank_addresses)), None
+        if isinstance(msg, PeerGone):  # the router dropped that instance (it stopped pinging)
+            logger.warning("the router dropped the KV peer at %s; ending its transfers", msg.peer)
+            self._peer_gone(msg.peer)
+            return None
         with self.lock:
             if isinstance(msg, RankDone):
                 t = self.table.find(msg.request_id, msg.transfer_id)

@@ -65,6 +65,13 @@ class FirstToken(msgspec.Struct, tag=True):
     logprobs: list | None = None
 
 
+class PeerGone(msgspec.Struct, tag=True):
+    """Router -> prefill: the router dropped the instance whose KV connector is at `peer`
+    (host:port; it stopped pinging): end the transfers with it and free their blocks now."""
+
+    peer: str
+
+
 class AbortTransfer(msgspec.Struct, tag=True):
     """Write mode, decode -> prefill: the decode request is gone; stop pushing."""
 
@@ -117,8 +124,8 @@ class WriteDone(msgspec.Struct, tag=True):
     error: str | None = None
 
 
-Message = (Hello | HelloReply | DecodeBlocks | FreeBlocks | TransferDone | FirstToken | AbortTransfer | RankDone | ReadBlocks
-           | BlocksData | WriteBlocks | WriteDone)
+Message = (Hello | HelloReply | DecodeBlocks | FreeBlocks | TransferDone | FirstToken | PeerGone | AbortTransfer
+           | RankDone | ReadBlocks | BlocksData | WriteBlocks | WriteDone)
 encoder = msgspec.msgpack.Encoder()
 decoder = msgspec.msgpack.Decoder(Message)
 

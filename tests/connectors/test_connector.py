@@ -194,3 +194,36 @@ def test_prefill_frees_at_once_when_the_reading_decode_is_gone(model_dir):
             time.sleep(0.01)
     finally:
         prefill.shutdown()
+
+
+def test_prefill_frees_at_once_when_the_router_drops_the_decode(model_dir):
+    """Read mode: the decode is hung (its KV port still accepts connections) and the router,
+    which dropped it for not pinging, sends PeerGone: the prefill frees its held blocks within
+    a second, not after hold_timeout_s (60 s here)."""
+    import zmq
+
+    from tandem.connectors.protocol import PeerGone, encoder
+    ctx = zmq.Context()
+    hung = ctx.socket(zmq.ROUTER)
+    port = hung.bind_to_random_port("tcp://127.0.0.1")
+    router = ctx.socket(zmq.DEALER)
+    prefill = make(model_dir, "kv_producer", hold_timeout_s=60)
+    try:
+        prefill.add_request(EngineRequest("p", PROMPTS[4], SamplingParams(max_tokens=1, temperature=0),
+                                          kv_transfer_params={"do_remote_decode": True, "remote_host": "127.0.0.1",
+                                                              "remote_port": port}))
+        run_all(prefill, until=lambda o: finished(o, "p"))
+        time.sleep(0.5)
+        assert prefill.blocks.num_free_blocks < prefill.blocks.num_blocks  # held: the decode looks alive
+        router.connect(f"tcp://{prefill.connector.address}")
+        router.send(encoder.encode(PeerGone(f"127.0.0.1:{port}")))
+        start = time.monotonic()
+        while prefill.blocks.num_free_blocks != prefill.blocks.num_blocks:
+            assert time.monotonic() - start < 1.0, "held blocks not freed within a second"
+            prefill.step()
+            time.sleep(0.01)
+    finally:
+        prefill.shutdown()
+        router.close(0)
+        hung.close(0)
+        ctx.term()
