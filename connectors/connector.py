@@ -3,10 +3,16 @@
 It decides every transfer and holds its state (connectors/transfer.py); the ranks' worker sides
 (connectors/worker.py) only do what each step's KVStepMeta lists and report back.
 
+Prefill computes the whole prompt and samples the first output token exactly as a collocated
+server would; decode receives the KV of every prompt token plus that token (read mode: in the
+kv_transfer_params the router forwards; write mode: a FirstToken message), emits it as its first
+output and starts with its decode step: the numbers of a collocated server's second step.
+
 Read mode (decode pulls): prefill finishes the prompt and holds its blocks (HELD); decode
 shakes hands with prefill (rank -> KV-head maps), its ranks read the heads they need from the
 prefill ranks holding them, and decode tells prefill to free. Prefill frees at once when the
-decode that was to read is gone (its connection fails), else after hold_timeout_s.
+decode that was to read is gone (its connection fails, or the router dropped it and says so:
+PeerGone), else after hold_timeout_s.
 Write mode (prefill pushes): decode shakes hands and sends its block ids and layout; prefill
 starts the prompt once it has them, and its ranks push each layer's heads to the decode ranks
 right after computing it; each rank pair reports when its data has landed.
@@ -18,8 +24,8 @@ import uuid
 from tandem.connectors.agent import KVAgent, TransferError
 from tandem.connectors.layout import KVLayout, plan_pairs
 from tandem.connectors.params import KVTransferParams
-from tandem.connectors.protocol import (AbortTransfer, DecodeBlocks, FinishOp, FreeBlocks, Hello, HelloReply,
-                                        KVStepMeta, PushOp, RankDone, ReadOp, TransferDone)
+from tandem.connectors.protocol import (AbortTransfer, DecodeBlocks, FinishOp, FirstToken, FreeBlocks, Hello,
+                                        HelloReply, KVStepMeta, PeerGone, PushOp, RankDone, ReadOp, TransferDone)
 from tandem.connectors.transfer import Transfer, TransferState as S, TransferTable
 from tandem.engine.config import KVTransferConfig
 from tandem.engine.request import Request, RequestStatus
@@ -31,6 +37,12 @@ PRODUCER, CONSUMER, BOTH = "kv_producer", "kv_consumer", "kv_both"
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _logprobs_list(req: Request) -> list | None:
+    """req's first output token's logprobs as [token_ids, logprobs, rank] (None: not asked)."""
+    lp = req.first_token_logprobs
+    return None if lp is None else [lp.token_ids, lp.logprobs, lp.rank]
 
 
 class TandemConnector:
@@ -52,6 +64,7 @@ class TandemConnector:
         self.inbox: dict[str, object] = {}  # prefill, write: DecodeBlocks / AbortTransfer before the request
         self.finishes: list[FinishOp] = []
         self.closed: list[str] = []
+        self.first_tokens: dict[str, tuple[int, list | None]] = {}  # decode: arrived, not yet taken
         logger.info("KV connector %s (%s, TP %d) listening at %s", self.engine_id, self.role, layout.tp_size,
                     self.agent.address)
 
@@ -72,6 +85,10 @@ class TandemConnector:
             if error:
                 logger.error("refused KV handshake from %s: %s", msg.engine_id, error)
             return HelloReply(self.engine_id, self.layout, error, self.transport, list(self.rank_addresses)), None
+        if isinstance(msg, PeerGone):  # the router dropped that instance (it stopped pinging)
+            logger.warning("the router dropped the KV peer at %s; ending its transfers", msg.peer)
+            self._peer_gone(msg.peer)
+            return None
         with self.lock:
             if isinstance(msg, RankDone):
                 t = self.table.find(msg.request_id, msg.transfer_id)
@@ -88,6 +105,10 @@ class TandemConnector:
                     self.inbox[msg.transfer_id] = msg
                 else:
                     self._prefill_message(t, msg)
+            elif isinstance(msg, FirstToken):
+                t = self.table.find(transfer_id=msg.transfer_id)
+                if t is not None and t.side == "decode" and t.first_token is None:
+                    t.first_token = self.first_tokens[t.request_id] = (msg.token_id, msg.logprobs)
             elif isinstance(msg, TransferDone):
                 t = self.table.find(transfer_id=msg.transfer_id)
                 if t is not None:
@@ -153,7 +174,7 @@ class TandemConnector:
         p: KVTransferParams | None = req.kv_transfer_params
         if p is None or not p.do_remote_prefill:
             return 0
-        n = max(0, req.num_prompt_tokens - 1 - num_local_computed)
+        n = max(0, req.num_prompt_tokens - num_local_computed)
         if n == 0:  # nothing to receive; release the prefill's blocks (read) or its wait (write)
             msg = (DecodeBlocks(p.transfer_id, self.engine_id, []) if p.mode == "write"
                    else FreeBlocks(p.remote_request_id))
@@ -173,6 +194,8 @@ class TandemConnector:
             t.local_blocks, t.remote_blocks = req.block_ids[first:last], p.remote_block_ids[first:last]
         with self.lock:
             self.table.add(t)
+            if p.first_token_id is not None:
+                t.first_token = self.first_tokens[req.request_id] = (p.first_token_id, p.first_token_logprobs)
         self.agent.submit(lambda: self._connect(t))
 
     def _connect(self, t: Transfer) -> None:
@@ -212,6 +235,13 @@ class TandemConnector:
                     self._prefill_message(t, early)
             return t.state in (S.TRANSFERRING, S.DONE)
 
+    def take_first_tokens(self) -> dict[str, tuple[int, list | None]]:
+        """Decode: {request id: (first output token, its logprobs or None)} arrived from prefills
+        since the last call."""
+        with self.lock:
+            out, self.first_tokens = self.first_tokens, {}
+        return out
+
     def build_meta(self, scheduled: list[tuple[Request, int]]) -> KVStepMeta | None:
         """What this step transfers, for every rank: reads whose handshake is done, pushes of
         the scheduled prefill chunks, ended pushes, closed receives."""
@@ -232,7 +262,7 @@ class TandemConnector:
 
     def _push_op(self, t: Transfer, req: Request, n: int) -> PushOp:
         """This chunk's blocks (the first chunk also pushes blocks filled from the prefix cache)."""
-        end = min(req.num_computed_tokens + n, len(t.remote_blocks) * self.block_size, req.num_prompt_tokens - 1)
+        end = min(req.num_computed_tokens + n, len(t.remote_blocks) * self.block_size, req.num_prompt_tokens)
         lo = 0 if t.pushed_chunks == 0 else req.num_computed_tokens // self.block_size
         t.pushed_chunks += 1
         idx = [i for i in range(lo, _cdiv(end, self.block_size)) if t.remote_blocks[i] >= 0]
@@ -254,7 +284,11 @@ class TandemConnector:
                 if t.request_done:
                     releasable.add(t.request_id)
                 elif t.side == "decode":
-                    if t.state == S.DONE:
+                    if t.state == S.DONE and t.first_token is None:
+                        if self.table.clock() <= t.deadline:
+                            continue  # the KV landed; the prefill's first token is still on its way
+                        failed[t.request_id] = "the prefill instance sent no first token within the transfer timeout"
+                    elif t.state == S.DONE:
                         landed.add(t.request_id)
                     else:
                         failed[t.request_id] = t.error or f"KV transfer {t.state.value}"
@@ -291,6 +325,9 @@ class TandemConnector:
                     self._after_end(t)
             elif t.side == "prefill" and not ok:
                 self._end_push(t, S.ABORTED, req.error or "the prefill request was aborted")
+            elif t.side == "prefill" and t.peer and req.num_output_tokens:
+                peer, first = t.peer, FirstToken(t.transfer_id, req.output_token_ids[0], _logprobs_list(req))
+                self.agent.submit(lambda: self._send_quietly(peer, first))
             t.request_done = True
             hold = not t.settled
             if not hold:
@@ -307,7 +344,8 @@ class TandemConnector:
         host, port = self.agent.address.rsplit(":", 1)
         out = KVTransferParams(do_remote_prefill=True, remote_engine_id=self.engine_id,
                                remote_block_ids=list(req.block_ids), remote_host=host, remote_port=int(port),
-                               remote_request_id=req.request_id)
+                               remote_request_id=req.request_id, first_token_id=req.output_token_ids[0],
+                               first_token_logprobs=_logprobs_list(req))
         return True, out.to_dict()
 
     def close(self) -> None:

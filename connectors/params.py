@@ -5,6 +5,11 @@ Read mode: the router sends prefill {do_remote_decode, remote_* = the decode tha
 prefill answers {do_remote_prefill, remote_block_ids, remote_request_id, remote_* = itself};
 the router forwards that to decode. Write mode: both get {mode: "write", transfer_id, remote_* =
 the other side} at once. remote_host:remote_port is the peer's KV connector (scheduler side).
+
+The prefill computes the whole prompt and samples the first output token, exactly as a collocated
+server would; the decode receives the KV of every prompt token and emits that token as its first
+output (read mode: in first_token_*, from prefill's answer; write mode: in a FirstToken message),
+so its first step is the decode of that token, as a collocated server's second step is.
 """
 from typing import Literal
 
@@ -22,6 +27,8 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     remote_notify_port: int | None = None
     remote_block_ids: list[int] | None = None  # read mode: the prefill's blocks holding the prompt
     remote_request_id: str | None = None  # read mode: the prefill's request id
+    first_token_id: int | None = None  # read mode, prefill's answer: the first output token it sampled
+    first_token_logprobs: list | None = None  # and its logprobs when asked: [token_ids, logprobs, rank]
 
     def __post_init__(self) -> None:
         if self.do_remote_decode and self.do_remote_prefill:

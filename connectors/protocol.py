@@ -56,6 +56,22 @@ class TransferDone(msgspec.Struct, tag=True):
     error: str | None = None
 
 
+class FirstToken(msgspec.Struct, tag=True):
+    """Write mode, prefill -> decode: the prefill finished the prompt and sampled the first output
+    token (logprobs: [token_ids, logprobs, rank] when the request asked for them)."""
+
+    transfer_id: str
+    token_id: int
+    logprobs: list | None = None
+
+
+class PeerGone(msgspec.Struct, tag=True):
+    """Router -> prefill: the router dropped the instance whose KV connector is at `peer`
+    (host:port; it stopped pinging): end the transfers with it and free their blocks now."""
+
+    peer: str
+
+
 class AbortTransfer(msgspec.Struct, tag=True):
     """Write mode, decode -> prefill: the decode request is gone; stop pushing."""
 
@@ -108,8 +124,8 @@ class WriteDone(msgspec.Struct, tag=True):
     error: str | None = None
 
 
-Message = (Hello | HelloReply | DecodeBlocks | FreeBlocks | TransferDone | AbortTransfer | RankDone | ReadBlocks
-           | BlocksData | WriteBlocks | WriteDone)
+Message = (Hello | HelloReply | DecodeBlocks | FreeBlocks | TransferDone | FirstToken | PeerGone | AbortTransfer
+           | RankDone | ReadBlocks | BlocksData | WriteBlocks | WriteDone)
 encoder = msgspec.msgpack.Encoder()
 decoder = msgspec.msgpack.Decoder(Message)
 

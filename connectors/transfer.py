@@ -79,6 +79,7 @@ class Transfer:
     remote_blocks: list[int] = field(default_factory=list)
     pushed_chunks: int = 0  # prefill, write: chunks already pushed
     told_peer: bool = False  # decode, read: the prefill was told to free its blocks
+    first_token: tuple[int, list | None] | None = None  # decode: the prefill's first output token (and logprobs)
 
     @property
     def transfer_id(self) -> str | None:

@@ -67,6 +67,8 @@ class Request:
             [None] if params.prompt_logprobs is not None else None)
         self.remote_computed_tokens = 0  # PD decode side: tokens whose KV arrives remotely
         self.kv_transfer_params_out: dict | None = None  # PD: returned to the client when finished
+        self.first_token_logprobs: TokenLogprobs | None = None  # PD: the prefill hands them to the decode
+        self.skipped_draws = 0  # PD decode: draws the prefill took from the generator (see sampler)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator(device=device)

@@ -139,6 +139,9 @@ def sample(logits: torch.Tensor, b: SamplingBatch, eos_token_ids: set[int],
         q = torch.empty_like(probs).exponential_()
         for i, req in enumerate(b.requests):
             if req.generator is not None:
+                for _ in range(req.skipped_draws):  # PD decode: advance past the prefill's draw
+                    q[i].exponential_(generator=req.generator)
+                req.skipped_draws = 0
                 q[i].exponential_(generator=req.generator)
         tokens = torch.where(b.temperature > 0, argmax(probs.div(q), kernels), greedy_tokens)
     logprobs = None

@@ -38,6 +38,10 @@ class SchedulerConnector(Protocol):
     def poll(self) -> tuple[set[str], dict[str, str], set[str]]:
         """(ids whose remote KV landed, {id: error} for failed receives, ids whose sends finished)."""
 
+    def take_first_tokens(self) -> dict[str, tuple[int, list | None]]:
+        """{id: (first output token, its logprobs as [token_ids, logprobs, rank] or None)} that
+        remote prefills sampled for requests receiving their prompt KV, since the last call."""
+
     def on_request_finished(self, req: Request) -> tuple[bool, dict | None]:
         """(keep blocks until a send completes?, kv_transfer_params for the client)."""
 
@@ -123,7 +127,24 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------------
 
+    def _take_first_tokens(self) -> None:
+        """PD decode: emit each prefill's first output token as this request's first output; once
+        the KV of the whole prompt is in, the request's first step decodes it."""
+        for rid, (token_id, logprobs) in self.connector.take_first_tokens().items():
+            req = self.requests.get(rid)
+            if req is None or req.num_output_tokens:
+                continue
+            lp = None if logprobs is None else TokenLogprobs(*logprobs)
+            req.all_token_ids.append(token_id)
+            req.first_token_logprobs = lp
+            req.skipped_draws = 1  # the prefill drew from the request's seeded generator once
+            status = self._check_stop(req, token_id)
+            if status is not None:
+                self._finish(req, status)
+            self.pending_outputs.append(self._output(req, [token_id], [lp] if lp else None, req.kv_transfer_params_out))
+
     def _poll_connector(self) -> None:
+        self._take_first_tokens()
         landed, failed, sent = self.connector.poll()
         for rid in sent:
             req = self.sending.pop(rid, None)
@@ -144,6 +165,7 @@ class Scheduler:
                 req.num_computed_tokens = req.remote_computed_tokens
                 self.blocks.cache_full_blocks(req)
                 req.status = RequestStatus.WAITING
+                req.kv_transfer_params = None  # received; a preempted request recomputes locally
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -214,6 +236,7 @@ class Scheduler:
             self.num_remote_prefills_total += 1
             self.connector.on_blocks_allocated(req, num_remote)
             self.waiting.append(req)
+            self._take_first_tokens()  # read mode: it came with the request
             return True
         n = req.num_tokens - num_local
         if n > budget and not self.config.enable_chunked_prefill:
@@ -246,6 +269,8 @@ class Scheduler:
                 continue
             send_prompt_logprobs = req.num_output_tokens == 0 and req.prompt_logprobs is not None
             req.all_token_ids.append(tok.token_id)
+            if req.num_output_tokens == 1:
+                req.first_token_logprobs = tok.logprobs  # (a PD prefill hands it to the decode)
             status = self._check_stop(req, tok.token_id)
             if status is not None:
                 self._finish(req, status)

@@ -6,11 +6,13 @@ kv_transfer_params is connectors.params.KVTransferParams on both sides.
 
 Read mode (decode pulls), serial (P and D are picked together):
   1. P gets the client's body with max_tokens=1 (chat: also max_completion_tokens=1),
-     stream=false, no stream_options/min_tokens, n=1, and
+     stream=false, no stream_options, min_tokens at most 1, n=1, and
      kv_transfer_params={"do_remote_decode": true, "remote_*": D's KV address} (P frees its
      held blocks at once if D's connection fails before D read them).
   2. P answers JSON with a top-level "kv_transfer_params" dict (remote_engine_id,
-     remote_block_ids, remote_host, remote_port, remote_request_id, ...). An error
+     remote_block_ids, remote_host, remote_port, remote_request_id, first_token_id,
+     first_token_logprobs, ...): P computed the whole prompt and sampled the client's first
+     token; D emits it as its first output (the client sees it once: P's answer is not relayed). An error
      answer goes back to the client unchanged and D is never contacted.
   3. D gets the client's original body with kv_transfer_params = P's dict; D's
      answer (SSE or JSON) is relayed to the client.
@@ -61,7 +63,12 @@ def prefill_request_body(body: dict, path: str, kv_transfer_params: dict) -> dic
         prefill["max_completion_tokens"] = 1
     prefill["stream"] = False
     prefill.pop("stream_options", None)
-    prefill.pop("min_tokens", None)  # min_tokens > 1 would make max_tokens=1 invalid
+    # The prefill samples the client's first token: it masks EOS/stop tokens as the client's
+    # min_tokens asks (min_tokens > 1 would make max_tokens=1 invalid; 1 masks the same).
+    if isinstance(prefill.get("min_tokens"), int) and prefill["min_tokens"] >= 1:
+        prefill["min_tokens"] = 1
+    else:
+        prefill.pop("min_tokens", None)
     if "n" in prefill:
         prefill["n"] = 1
     prefill["kv_transfer_params"] = kv_transfer_params

@@ -17,6 +17,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from tandem.connectors.protocol import PeerGone, encoder
 from tandem.router.config import RouterConfig
 from tandem.router.metrics import RouterMetrics
 from tandem.router.protocol import ROLES, LoadReport, RegisterMessage, UnregisterMessage, decode_message
@@ -74,6 +75,8 @@ class InstanceRegistry:
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
+        self._kv_ctx: zmq.Context | None = None  # DEALER sockets telling prefills of dropped decodes
+        self._kv_socks: dict[str, zmq.Socket] = {}
         self.address = ""
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -108,6 +111,11 @@ class InstanceRegistry:
             self._sock.close()
             self._ctx.term()
             self._sock = None
+        for sock in self._kv_socks.values():
+            sock.close()
+        if self._kv_ctx is not None:
+            self._kv_ctx.term()
+            self._kv_ctx, self._kv_socks = None, {}
 
     async def _receive_loop(self) -> None:
         while True:
@@ -215,9 +223,34 @@ class InstanceRegistry:
             logger.warning("instance %s (%s at %s) dropped: no ping for %.1f s (timeout %.1f s)",
                            inst.instance_id, inst.role, inst.url, now - inst.last_seen, timeout)
             self._remove(inst.instance_id)
+            if inst.role == "decode":
+                self._tell_prefills_gone(inst)
         for instance_id, (_, when) in list(self._failed_checks.items()):
             if now - when > timeout:
                 del self._failed_checks[instance_id]
+
+    def _tell_prefills_gone(self, decode: Instance) -> None:
+        """A decode that stopped pinging may still hold its connections open (hung, not dead):
+        tell every prefill's KV connector, so it frees the blocks it holds for that decode now."""
+        info = decode.info
+        if not info.kv_host or not info.kv_handshake_port:
+            return
+        frame = encoder.encode(PeerGone(f"{info.kv_host}:{info.kv_handshake_port}"))
+        for inst in self._instances.values():
+            if inst.role != "prefill" or not inst.info.kv_host or not inst.info.kv_handshake_port:
+                continue
+            address = f"tcp://{inst.info.kv_host}:{inst.info.kv_handshake_port}"
+            if self._kv_ctx is None:
+                self._kv_ctx = zmq.Context()
+            sock = self._kv_socks.get(address)
+            if sock is None:
+                sock = self._kv_socks[address] = self._kv_ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(address)
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                logger.warning("could not tell prefill %s that decode %s is gone", inst.instance_id, decode.instance_id)
 
     # ---- queries ---------------------------------------------------------------------------
 

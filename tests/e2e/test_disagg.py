@@ -1,5 +1,6 @@
 """PD disaggregation end to end: router + prefill + decode processes over the tcp transport.
-Reference: the greedy output of a collocated server on the same model."""
+Reference: the output of a collocated server on the same model: greedy text under load, and,
+one request at a time, the very same top_logprobs (float equality), greedy and seeded sampling."""
 import concurrent.futures as cf
 import time
 
@@ -28,12 +29,46 @@ def generate(base_url: str, prompts: list[str]) -> list[str]:
         return list(pool.map(one, range(len(prompts))))
 
 
+LONG = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. " * 3
+        + "How many clips did Natalia sell altogether?")  # several prefill chunks (--max-num-batched-tokens 64)
+EXACT_CASES = [  # (prompt, request fields): each sent alone, compared with collocated exactly
+    (PROMPTS[0], dict(max_tokens=12, temperature=0)),
+    (LONG, dict(max_tokens=12, temperature=0)),
+    (LONG, dict(max_tokens=12, temperature=0.8, seed=1234)),
+    (PROMPTS[5], dict(max_tokens=10, temperature=1.0, top_p=0.9, seed=7, stream=True)),
+    (PROMPTS[3], dict(max_tokens=1, temperature=0)),  # the decode emits the prefill's token and stops
+    (PROMPTS[4], dict(max_tokens=6, temperature=0, extra_body={"min_tokens": 4})),
+]
+
+
+def generate_exact(base_url: str) -> list[tuple]:
+    """One request at a time (equal batch composition): (text, token logprobs, top_logprobs, usage)."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
+    out = []
+    for prompt, kw in EXACT_CASES:
+        kw = dict(kw)
+        if kw.pop("stream", False):
+            chunks = list(client.completions.create(model="default", prompt=prompt, logprobs=2, stream=True,
+                                                    stream_options={"include_usage": True}, **kw))
+            choice = [c.choices[0] for c in chunks if c.choices]
+            out.append(("".join(c.text for c in choice),
+                        [x for c in choice if c.logprobs for x in c.logprobs.token_logprobs],
+                        [x for c in choice if c.logprobs for x in c.logprobs.top_logprobs],
+                        chunks[-1].usage.completion_tokens))
+        else:
+            r = client.completions.create(model="default", prompt=prompt, logprobs=2, **kw)
+            c = r.choices[0]
+            out.append((c.text, c.logprobs.token_logprobs, c.logprobs.top_logprobs, r.usage.completion_tokens))
+    return out
+
+
 @pytest.fixture(scope="module")
 def expected(model_dir, tmp_path_factory):
     p = Proc("collocated", ["--model", str(model_dir), "--served-model-name", "default", *ENGINE_ARGS],
              tmp_path_factory.mktemp("colloc")).wait_healthy()
     try:
-        return generate(p.url, PROMPTS)
+        exact = generate_exact(p.url)  # first: prefix-cache hits later come from these same runs
+        return generate(p.url, PROMPTS), exact
     finally:
         p.stop()
 
@@ -66,8 +101,12 @@ def start_deployment(model_dir, log_dir, mode: str, num_prefill: int = 1, num_de
 def test_disagg_matches_collocated(model_dir, tmp_path, expected, mode, num_p, num_d, async_scheduling):
     flag = "--async-scheduling" if async_scheduling else "--no-async-scheduling"
     router, instances = start_deployment(model_dir, tmp_path, mode, num_p, num_d, extra_args=(flag,))
+    expected_texts, expected_exact = expected
     try:
-        assert generate(router.url, PROMPTS) == expected
+        if num_p == num_d == 1:  # (more instances: their prefix caches hit differently than collocated's)
+            for got, want in zip(generate_exact(router.url), expected_exact):
+                assert got == want  # float equality of every logprob
+        assert generate(router.url, PROMPTS) == expected_texts
         decodes = [p for p in instances if p.name.startswith("decode")]
         prefills = [p for p in instances if p.name.startswith("prefill")]
         # Every decode request but the ones whose prompt is a single block got its KV remotely.

@@ -58,24 +58,34 @@ class FakeConnector:
     def build_meta(self, scheduled):
         return None
 
+    def take_first_tokens(self):
+        return {}
+
     def close(self):
         pass
 
 
 class CopyConnector(FakeConnector):
-    """Fake decode-side connector: 'receives' a prompt's KV by copying it from a prefill engine's
-    cache after `delay` polls (or fails it). Stands in for connectors/ in these tests."""
+    """Fake decode-side connector: 'receives' a prompt's KV (every prompt token) by copying it
+    from a prefill engine's cache after `delay` polls (or fails it), and the prefill's first
+    token at once. Stands in for connectors/ in these tests."""
 
-    def __init__(self, prefill: LLM, decode: LLM, delay: int, fail: bool = False):
+    def __init__(self, prefill: LLM, decode: LLM, delay: int, first_token: int, fail: bool = False):
         self.prefill, self.decode, self.delay, self.fail = prefill, decode, delay, fail
+        self.first_token, self.tokens = first_token, {}
         self.pending: dict[str, list] = {}
         self.polls_while_waiting = 0
 
     def num_remote_tokens(self, req, num_local):
-        return req.num_prompt_tokens - 1 - num_local if req.kv_transfer_params else 0
+        return req.num_prompt_tokens - num_local if req.kv_transfer_params else 0
 
     def on_blocks_allocated(self, req, num_remote):
         self.pending[req.request_id] = [self.delay, req]
+        self.tokens[req.request_id] = (self.first_token, None)
+
+    def take_first_tokens(self):
+        out, self.tokens = self.tokens, {}
+        return out
 
     def poll(self):
         landed, failed = set(), {}
@@ -130,13 +140,13 @@ def test_waiting_for_remote_kvs(tiny_models, fail):
     prefill = LLM(path, block_size=4)
     hold = HoldConnector()
     prefill.engine.set_connector(hold)
-    prefill.engine.add_request(EngineRequest("p", prompt, SamplingParams(max_tokens=1)))
+    prefill.engine.add_request(EngineRequest("p", prompt, SamplingParams(max_tokens=1, temperature=0)))
     first = next(o for _ in range(3) for o in prefill.engine.step())  # async: one call later
     assert first.finished and prefill.engine.blocks.num_free_blocks < prefill.engine.blocks.num_blocks
     src_blocks = first.kv_transfer_params["remote_block_ids"]
 
     decode = LLM(path, block_size=4, enable_prefix_caching=False)
-    conn = CopyConnector(prefill, decode, delay=3, fail=fail)
+    conn = CopyConnector(prefill, decode, delay=3, first_token=first.new_token_ids[0], fail=fail)
     decode.engine.set_connector(conn)
     core = decode.engine
     core.add_request(EngineRequest("remote", prompt, params, kv_transfer_params={"remote_block_ids": src_blocks}))

@@ -180,3 +180,35 @@ def test_instance_started_before_the_router_registers_once_it_is_up(make_router)
     finally:
         early.stop_pinging()
         early.server.stop()
+
+
+def test_dropped_decode_is_announced_to_prefills():
+    """A decode that stops pinging is dropped, and every prefill's KV connector is told
+    (PeerGone with the decode's KV address), so it frees the blocks it holds for it now.
+    Reference: the message a bound ROUTER socket at the prefill's KV port receives."""
+    import asyncio
+
+    from tandem.connectors.protocol import PeerGone, decoder
+    from tandem.router.registry import Instance, InstanceRegistry
+
+    ctx = zmq.Context()
+    kv = ctx.socket(zmq.ROUTER)
+    port = kv.bind_to_random_port("tcp://127.0.0.1")
+    registry = InstanceRegistry(RouterConfig(instance_timeout_s=2.0), client=None)
+
+    def instance(role, name, kv_port, last_seen):
+        return Instance(RegisterMessage(instance_id=name, role=role, http_address="http://127.0.0.1:1",
+                                        engine_id=name, kv_host="127.0.0.1", kv_handshake_port=kv_port),
+                        last_seen=last_seen)
+    now = time.monotonic()
+    registry._instances = {"p0": instance("prefill", "p0", port, now), "d0": instance("decode", "d0", 4242, now - 10)}
+    try:
+        registry.sweep(now)
+        assert set(registry._instances) == {"p0"}
+        assert kv.poll(2000), "no PeerGone reached the prefill"
+        _, frame = kv.recv_multipart()
+        assert decoder.decode(frame) == PeerGone("127.0.0.1:4242")
+    finally:
+        asyncio.run(registry.stop())
+        kv.close(0)
+        ctx.term()

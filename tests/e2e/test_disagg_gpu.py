@@ -1,0 +1,88 @@
+"""PD on one GPU (prefill and decode instances both on cuda:0, `--kv-transport ipc`) against a
+collocated server with the same flags, one request at a time (equal batch composition).
+Reference: the collocated server's top_logprobs, compared with float equality (bf16 model).
+
+Models: the embedded default model, and a dummy Llama-3-8B-shaped model (`--load-format dummy`:
+both instances draw the same weights from the same --seed on the same device)."""
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import ServerProcess
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+KV_BYTES = "4000000000"  # per instance, so that collocated or prefill + decode fit on one GPU
+LENGTHS = [50, 300, 700, 950, 2000]
+
+
+def prompt(n: int, salt: int, vocab: int) -> list[int]:
+    return [(salt * 7919 + i * 104729) % (vocab - 20) + 10 for i in range(n)]
+
+
+def ask(url: str, body: dict) -> dict:
+    r = httpx.post(f"{url}/v1/completions", json={"model": "default", **body}, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_serving(p: ServerProcess, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert p.proc.poll() is None, p.read_log()[-4000:]
+        try:
+            if httpx.post(f"{p.url}/v1/completions", json={"model": "default", "prompt": [5, 6, 7], "max_tokens": 2},
+                          timeout=60).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(p.read_log()[-4000:])
+
+
+def run_cases(url: str, vocab: int, max_len: int) -> list:
+    out = []
+    for n in LENGTHS:  # warm-up (kernels compile; prefix caches get these, not the measured prompts)
+        if n < max_len - 40:
+            ask(url, {"prompt": prompt(n, 99, vocab), "max_tokens": 4, "temperature": 0})
+    for i, n in enumerate(x for x in LENGTHS if x < max_len - 40):
+        for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 11}):
+            c = ask(url, {"prompt": prompt(n, i, vocab), "max_tokens": 24, "logprobs": 2, **sampling})["choices"][0]
+            out.append((n, sampling, c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"],
+                        c["logprobs"]["top_logprobs"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def dummy_8b(tmp_path_factory):
+    out = tmp_path_factory.mktemp("llama3-8b")
+    subprocess.run([sys.executable, "-m", "benchmarks.dummy_model", "--shape", "llama3-8b", "--out", str(out)],
+                   check=True)
+    return out
+
+
+@pytest.mark.parametrize("model", ["default", "llama3-8b"])
+def test_pd_on_one_gpu_is_bitwise_collocated(model, dummy_8b, tmp_path):
+    args = ["--served-model-name", "default", "--kv-cache-memory-bytes", KV_BYTES]
+    if model != "default":
+        args += ["--model", str(dummy_8b), "--load-format", "dummy", "--max-model-len", "4096"]
+    vocab, max_len = (32000, 4096) if model != "default" else (4096, 1024)  # (default model: config.json)
+    colloc = ServerProcess(tmp_path / "collocated.log", args)
+    try:
+        wait_serving(colloc)
+        expected = run_cases(colloc.url, vocab, max_len)
+    finally:
+        colloc.stop()
+    for mode in ("read", "write"):
+        pd = ServerProcess(tmp_path / f"pd-{mode}.log", ["--role", "disagg", "--prefill-gpus", "0", "--decode-gpus",
+                                                         "0", "--kv-transport", "ipc", "--kv-mode", mode, *args])
+        try:
+            wait_serving(pd)
+            got = run_cases(pd.url, vocab, max_len)
+        finally:
+            pd.stop()
+        for g, e in zip(got, expected):
+            assert g == e, f"{model}, {mode} mode, prompt of {e[0]} tokens, {e[1]}: PD differs from collocated"
