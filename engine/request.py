@@ -67,6 +67,7 @@ class Request:
             [None] if params.prompt_logprobs is not None else None)
         self.remote_computed_tokens = 0  # PD decode side: tokens whose KV arrives remotely
         self.kv_transfer_params_out: dict | None = None  # PD: returned to the client when finished
+        self.grammar = None  # xgrammar GrammarMatcher when the output is constrained (set by EngineCore)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator(device=device)

@@ -247,6 +247,10 @@ class Scheduler:
             send_prompt_logprobs = req.num_output_tokens == 0 and req.prompt_logprobs is not None
             req.all_token_ids.append(tok.token_id)
             status = self._check_stop(req, tok.token_id)
+            grammar = req.grammar
+            if grammar is not None and not grammar.is_terminated() and not grammar.accept_token(tok.token_id):
+                req.error = f"token {tok.token_id} broke the request's output grammar"
+                status = RequestStatus.FINISHED_ERROR
             if status is not None:
                 self._finish(req, status)
             outputs.append(self._output(
