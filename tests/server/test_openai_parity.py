@@ -183,7 +183,7 @@ def test_tokenize_detokenize(oai, tokenizer_default):
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),
 ])
 def test_bad_requests_are_400_naming_the_field(oai, extra, param):
-    kw = dict(model="tiny", messages=MESSAGES, max_tokens=4, **extra)
+    kw = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4, **extra}
     with pytest.raises(openai.BadRequestError) as err:
         oai.chat.completions.create(**kw)
     assert err.value.body["param"] == param, err.value.body
