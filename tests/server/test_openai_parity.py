@@ -96,7 +96,8 @@ def test_json_object(oai, tokenizer_default):
 
 
 def test_constrained_and_free_requests_in_one_batch(oai):
-    free = dict(model="tiny", prompt="Natalia sold clips", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    free = dict(model="tiny", prompt="Natalia sold clips", max_tokens=24, temperature=0,
+                extra_body={"ignore_eos": True})
     alone = oai.completions.create(**free).choices[0].text
     constrained = dict(model="tiny", messages=MESSAGES, max_tokens=160, temperature=0,
                        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}})
