@@ -18,7 +18,9 @@ DEFAULT_MODEL_DIR = str(Path(__file__).parent / "default_model")
 class ModelConfig:
     model: str = DEFAULT_MODEL_DIR
     tokenizer: str | None = None  # defaults to the model folder
-    served_model_name: str | None = None
+    served_model_name: tuple[str, ...] | None = field(default=None, metadata={
+        "nargs": "+", "help": "the model name(s) the API answers to (the first is reported); default: the "
+                              "model folder's name"})
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     load_format: str = "auto"  # auto | safetensors | dummy
     max_model_len: int | None = None
@@ -56,7 +58,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = field(default=1, metadata={"aliases": ("-tp",),
+                                                           "help": "GPUs per instance for tensor parallelism"})
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     # none: with --enable-expert-parallel over DP ranks that means naive (mori on ROCm when importable)
@@ -116,6 +119,28 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class ServingConfig:
+    """The OpenAI API's options (read by the API process only)."""
+
+    chat_template: str | None = field(default=None, metadata={
+        "help": "a Jinja chat template, as a file path or the template itself; replaces the tokenizer's"})
+    generation_config: str = field(default="auto", metadata={
+        "help": "default sampling parameters: auto (the model's generation_config.json), vllm (none: "
+                "vLLM's own defaults), or a folder holding a generation_config.json"})
+    enable_auto_tool_choice: bool = field(default=False, metadata={
+        "help": 'let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser'})
+    tool_call_parser: str | None = field(default=None, metadata={
+        "help": "how tool calls are read from the model's text: hermes (Hermes, Qwen2.5, Qwen3) or "
+                "llama3_json (Llama 3.1+)"})
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser not in (None, "hermes", "llama3_json"):
+            raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}; expected hermes or llama3_json")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -126,6 +151,7 @@ class EngineConfig:
     # Kernel and decode-path choices (PDL, skinny GEMMs, fusions): defined in kernels/config.py,
     # which imports nothing of ours, and handed to every layer at construction.
     kernel: KernelConfig = field(default_factory=KernelConfig)
+    serving: ServingConfig = field(default_factory=ServingConfig)
 
     @classmethod
     def create(cls, **kwargs) -> "EngineConfig":
@@ -160,12 +186,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         group = parser.add_argument_group(section.name)
         for f in dataclasses.fields(section.default_factory):
-            flag = "--" + f.name.replace("_", "-")
-            help_text = f.metadata.get("help")
+            flags = ("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()))
+            extra = {"help": f.metadata["help"]} if "help" in f.metadata else {}
             if "bool" in str(f.type) or f.type is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+                group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, **extra)
+            elif "nargs" in f.metadata:
+                group.add_argument(*flags, nargs=f.metadata["nargs"], default=None, **extra)
             else:
-                group.add_argument(flag, type=_flag_type(f), default=None, help=help_text)
+                group.add_argument(*flags, type=_flag_type(f), default=None, **extra)
     parser.add_argument("--kv-transfer-config", type=json.loads, default=None,
                         help='JSON, e.g. {"kv_connector": "TandemConnector", "kv_role": "kv_producer"}')
 
@@ -177,4 +205,6 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     kwargs = {k: v for k, v in kwargs.items() if k in known}
     if args.kv_transfer_config:
         kwargs.update(args.kv_transfer_config)
+    if isinstance(kwargs.get("served_model_name"), list):
+        kwargs["served_model_name"] = tuple(kwargs["served_model_name"])
     return EngineConfig.create(**kwargs)

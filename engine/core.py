@@ -16,6 +16,7 @@ from tandem.engine.model_runner import ModelRunner, PendingStep
 from tandem.engine.protocol import EngineRequest, RequestOutput, SchedulerStats
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.structured_output import GrammarCompiler
 from tandem.engine.worker import (Workers, broadcast_step, data_parallel_device, init_data_parallel, init_distributed,
                            leave_distributed, local_device)
 from tandem.kernels.compile_watch import WATCH
@@ -25,9 +26,9 @@ logger = logging.getLogger(__name__)
 
 def _async_safe(req: Request) -> bool:
     """Can req's step be launched and its token read later? (Logprobs and penalties need the
-    host while sampling.)"""
+    host while sampling; a grammar's next mask needs the token just sampled.)"""
     p = req.params
-    return p.logprobs is None and p.prompt_logprobs is None and not p.needs_penalties
+    return p.logprobs is None and p.prompt_logprobs is None and not p.needs_penalties and req.grammar is None
 
 
 class EngineCore:
@@ -66,6 +67,7 @@ class EngineCore:
         self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                    config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer_path, self.vocab_size, self.eos_token_ids)
         self.connector = None  # the KV connector's scheduler side (PD disaggregation)
         self._inflight: PendingStep | None = None  # --async-scheduling: the step on the GPU now
         if config.kv_transfer.enabled:
@@ -104,9 +106,11 @@ class EngineCore:
 
     def add_request(self, req: EngineRequest) -> None:
         max_tokens = self.validate(req)
-        self.scheduler.add_request(Request(
-            req.request_id, req.prompt_token_ids, req.sampling_params, req.arrival_time or time.time(),
-            parse_kv_transfer_params(req.kv_transfer_params), max_tokens, device=str(self.runner.device)))
+        request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.arrival_time or time.time(),
+                          parse_kv_transfer_params(req.kv_transfer_params), max_tokens, device=str(self.runner.device))
+        if req.sampling_params.structured_outputs is not None:  # compiled once per grammar (cached): ms
+            request.grammar = self.grammars.matcher(req.sampling_params.structured_outputs)
+        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

@@ -69,6 +69,7 @@ class Request:
         self.kv_transfer_params_out: dict | None = None  # PD: returned to the client when finished
         self.first_token_logprobs: TokenLogprobs | None = None  # PD: the prefill hands them to the decode
         self.skipped_draws = 0  # PD decode: draws the prefill took from the generator (see sampler)
+        self.grammar = None  # xgrammar GrammarMatcher when the output is constrained (set by EngineCore)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator(device=device)

@@ -1,7 +1,8 @@
 """Turns the last-position logits of a batch into next tokens, one row per request.
 
-Order, as in vLLM: logprobs are taken from the raw logits; then penalties, the
-min_tokens mask, temperature, top-k, top-p, min-p; then sampling. Sampling is
+Order, as in vLLM: the structured-output grammar mask first; logprobs are taken from
+those logits; then penalties, logit_bias, the min_tokens mask, temperature, top-k,
+top-p, min-p; then sampling. Sampling is
 argmax(probs / q) with q ~ Exp(1) drawn from the request's own generator when it
 has a seed, so a seeded request samples the same tokens alone or in any batch.
 """
@@ -11,6 +12,7 @@ import torch
 
 from tandem.engine.protocol import TokenLogprobs
 from tandem.engine.request import Request
+from tandem.engine.structured_output import apply_grammar_bitmask
 from tandem.kernels.config import DEFAULT_KERNELS, KernelConfig
 from tandem.kernels.sampling import argmax
 
@@ -32,6 +34,9 @@ class SamplingBatch:
     any_penalty: bool
     any_min_tokens: bool
     max_logprobs: int  # largest top-N asked for in this batch; -1 = none asked
+    any_grammar: bool = False  # some row's output is constrained (request.grammar)
+    # logit_bias of every row as (rows [K] int64, token ids [K] int64, biases [K] float32); None: none
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, requests: list[Request], vocab_size: int, device: torch.device) -> "SamplingBatch":
@@ -58,7 +63,23 @@ class SamplingBatch:
             any_penalty=any(p.needs_penalties for p in ps),
             any_min_tokens=any(r.num_output_tokens < r.params.min_tokens for r in requests),
             max_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
+            any_grammar=any(r.grammar is not None for r in requests),
+            logit_bias=_logit_bias(ps, vocab_size, device),
         )
+
+
+def _logit_bias(ps: list, vocab_size: int, device: torch.device):
+    rows, ids, vals = [], [], []
+    for i, p in enumerate(ps):
+        for token_id, bias in (p.logit_bias or {}).items():
+            if token_id < vocab_size:
+                rows.append(i)
+                ids.append(token_id)
+                vals.append(bias)
+    if not rows:
+        return None
+    return (torch.tensor(rows).to(device, non_blocking=True), torch.tensor(ids).to(device, non_blocking=True),
+            torch.tensor(vals, dtype=torch.float32).to(device, non_blocking=True))
 
 
 def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, top_n: int) -> list[TokenLogprobs]:
@@ -123,9 +144,14 @@ def sample(logits: torch.Tensor, b: SamplingBatch, eos_token_ids: set[int],
            kernels: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, list[TokenLogprobs | None] | None]:
     """logits: [N, V] float32 -> (token ids [N] int64, per-row logprobs (None for rows that did
     not ask) or None when no row asked)."""
+    if b.any_grammar:  # (a copy: logits may be a CUDA graph's output buffer)
+        logits = logits.clone()
+        apply_grammar_bitmask(logits, [r.grammar for r in b.requests])
     raw_logprobs = logits.log_softmax(dim=-1) if b.max_logprobs >= 0 else None
     if b.any_penalty:
         logits = _apply_penalties(logits.clone(), b.requests)
+    if b.logit_bias is not None:
+        logits = logits.index_put(b.logit_bias[:2], b.logit_bias[2], accumulate=True)
     if b.any_min_tokens:
         logits = logits.clone()
         _mask_stop_tokens(logits, b.requests, eos_token_ids)

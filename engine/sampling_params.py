@@ -2,6 +2,31 @@
 import msgspec
 
 _GREEDY_EPS = 1e-5
+_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
+    """A grammar the output must follow (see engine/structured_output.py); exactly one kind."""
+
+    json: str | None = None  # a JSON schema, as JSON text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # EBNF (xgrammar's dialect, GBNF-like)
+    any_whitespace: bool = False  # json: allow free whitespace (weak models may loop on it)
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(_STRUCTURED_KINDS)}; "
+                             f"got {', '.join(kinds) or 'none'}")
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured_outputs choice must list at least one string")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
@@ -21,6 +46,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     stop_token_ids: list[int] = []
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one always included)
     prompt_logprobs: int | None = None  # top-N per prompt token (first token has none)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100..100)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -47,6 +74,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be non-negative, got {value}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if token_id < 0 or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias must map token ids >= 0 to values in [-100, 100], got "
+                                 f"{token_id}: {bias}")
         if self.top_k == -1:
             self.top_k = 0
 

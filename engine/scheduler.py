@@ -272,6 +272,10 @@ class Scheduler:
             if req.num_output_tokens == 1:
                 req.first_token_logprobs = tok.logprobs  # (a PD prefill hands it to the decode)
             status = self._check_stop(req, tok.token_id)
+            grammar = req.grammar
+            if grammar is not None and not grammar.is_terminated() and not grammar.accept_token(tok.token_id):
+                req.error = f"token {tok.token_id} broke the request's output grammar"
+                status = RequestStatus.FINISHED_ERROR
             if status is not None:
                 self._finish(req, status)
             outputs.append(self._output(

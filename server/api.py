@@ -14,10 +14,11 @@ from tandem.server.completions import create_completion
 from tandem.router.disconnect import ClientDisconnected, cancel_on_disconnect
 from tandem.server.engine_client import EngineClient
 from tandem.server.errors import EngineDeadError, error_body, error_response, install_error_handlers
-from tandem.server.generation import ServingContext
+from tandem.server.generation import ServingContext, generation_defaults
 from tandem.server.metrics import CONTENT_TYPE, ServerMetrics
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, now
 from tandem.server.tokenizer import Tokenizer
+from tandem.server.tokenize_routes import tokenize_router
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +51,15 @@ async def _cancel_on_disconnect(request: Request, handler):
         return Response(status_code=499)
 
 
+def served_model_names(config: EngineConfig) -> tuple[str, ...]:
+    """--served-model-name (one or more), else the model folder's name."""
+    names = config.model.served_model_name
+    names = (names,) if isinstance(names, str) else tuple(names or ())
+    return names or (Path(config.model.model.rstrip("/")).name,)
+
+
 def served_model_name(config: EngineConfig) -> str:
-    return config.model.served_model_name or Path(config.model.model.rstrip("/")).name
+    return served_model_names(config)[0]
 
 
 def build_app(client: EngineClient, config: EngineConfig, tokenizer: Tokenizer | None = None,
@@ -60,10 +68,15 @@ def build_app(client: EngineClient, config: EngineConfig, tokenizer: Tokenizer |
     info = client.info
     if tokenizer is None or tokenizer.path != info.tokenizer_path:
         tokenizer = Tokenizer(info.tokenizer_path)
-    name = served_model_name(config)
+    name, serving = served_model_name(config), config.serving
+    if serving.chat_template is not None:
+        tokenizer.set_chat_template(serving.chat_template)
     ctx = ServingContext(client=client, tokenizer=tokenizer, model_name=name,
                          model_path=config.model.model, max_model_len=info.max_model_len,
-                         vocab_size=info.vocab_size, metrics=ServerMetrics(name))
+                         vocab_size=info.vocab_size, metrics=ServerMetrics(name),
+                         served_names=served_model_names(config),
+                         defaults=generation_defaults(serving.generation_config, config.model.model),
+                         tool_parser=serving.tool_call_parser if serving.enable_auto_tool_choice else None)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -90,8 +103,8 @@ def build_app(client: EngineClient, config: EngineConfig, tokenizer: Tokenizer |
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": now(), "owned_by": "tandem", "root": config.model.model,
-            "parent": None, "max_model_len": info.max_model_len}]}
+            "id": served, "object": "model", "created": now(), "owned_by": "tandem", "root": config.model.model,
+            "parent": None, "max_model_len": info.max_model_len} for served in ctx.served_names]}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -106,4 +119,5 @@ def build_app(client: EngineClient, config: EngineConfig, tokenizer: Tokenizer |
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await _cancel_on_disconnect(request, create_chat_completion(ctx, body))
 
+    app.include_router(tokenize_router(ctx))
     return app

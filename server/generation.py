@@ -1,21 +1,47 @@
 """From one OpenAI request to engine requests and back: validation, fan-out over prompts and
 `n`, per-choice state (tokens, logprobs, incremental text, stop strings), and the output loop."""
+import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tandem.connectors.params import parse_kv_transfer_params
 from tandem.engine.protocol import EngineRequest, RequestOutput, TokenLogprobs
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from tandem.server.detokenizer import IncrementalDetokenizer
 from tandem.server.engine_client import EngineClient
 from tandem.server.errors import APIError
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import MAX_LOGPROBS, GenerationFields, usage
+from tandem.server.request_fields import check_extra_fields, logit_bias_of, structured_params
 from tandem.server.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
+
 MAX_N = 128
+# generation_config.json keys that become default sampling parameters (as in vLLM)
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(setting: str, model_path: str) -> dict:
+    """--generation-config: auto (the model folder's generation_config.json), vllm (none), or a
+    folder -> {sampling field: default} for request fields left unset."""
+    if setting == "vllm":
+        return {}
+    path = Path(model_path if setting == "auto" else setting) / "generation_config.json"
+    if not path.is_file():
+        if setting != "auto":
+            raise ValueError(f"--generation-config {setting}: no generation_config.json there")
+        return {}
+    raw = json.loads(path.read_text())
+    defaults = {ours: raw[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if raw.get(theirs) is not None}
+    if defaults:
+        logger.info("default sampling parameters from %s: %s", path, defaults)
+    return defaults
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # choice j > 0 of a seeded request gets a well-spread seed
 
 
@@ -30,9 +56,12 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     metrics: ServerMetrics
+    served_names: tuple[str, ...] = ()  # every name the API answers to (model_name is the first)
+    defaults: dict = field(default_factory=dict)  # from generation_config.json (generation_defaults)
+    tool_parser: str | None = None  # --tool-call-parser when --enable-auto-tool-choice is on
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.model_name, "default", self.model_path):
+        if name is not None and name not in (self.model_name, "default", self.model_path, *self.served_names):
             raise APIError(f"the model `{name}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
 
@@ -110,17 +139,24 @@ def make_request_id(prefix: str) -> str:
 
 
 def sampling_params(body: GenerationFields, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None, seed: int | None) -> SamplingParams:
-    def pick(value, default):
-        return default if value is None else value
+                    prompt_logprobs: int | None, seed: int | None, defaults: dict | None = None,
+                    logit_bias: dict[int, float] | None = None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
+    """defaults: the model's generation_config values, used where the request leaves a field unset."""
+    defaults = defaults or {}
+
+    def pick(name: str, default):
+        value = getattr(body, name)
+        return defaults.get(name, default) if value is None else value
 
     try:
         return SamplingParams(
-            max_tokens=max_tokens, min_tokens=body.min_tokens, temperature=pick(body.temperature, 1.0),
-            top_p=pick(body.top_p, 1.0), top_k=pick(body.top_k, 0), min_p=pick(body.min_p, 0.0), seed=seed,
-            presence_penalty=pick(body.presence_penalty, 0.0), frequency_penalty=pick(body.frequency_penalty, 0.0),
-            repetition_penalty=pick(body.repetition_penalty, 1.0), ignore_eos=body.ignore_eos,
-            stop_token_ids=list(body.stop_token_ids or []), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            max_tokens=max_tokens, min_tokens=body.min_tokens, temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0), top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), seed=seed,
+            presence_penalty=pick("presence_penalty", 0.0), frequency_penalty=pick("frequency_penalty", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0), ignore_eos=body.ignore_eos,
+            stop_token_ids=list(body.stop_token_ids or []), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logit_bias=logit_bias, structured_outputs=structured)
     except ValueError as exc:
         raise APIError(str(exc), param=str(exc).split(" ", 1)[0]) from exc
 
@@ -132,9 +168,17 @@ def check_logprobs(value: int | None, param: str) -> None:
 
 def build_requests(ctx: ServingContext, body: GenerationFields, request_id: str, prompts: list[list[int]],
                    max_tokens: int | None, logprobs: int | None = None, prompt_logprobs: int | None = None,
-                   drop_output: bool = False) -> tuple[list[EngineRequest], dict[str, Choice]]:
+                   drop_output: bool = False, forced_structure: StructuredOutputsParams | None = None
+                   ) -> tuple[list[EngineRequest], dict[str, Choice]]:
     """Validate and fan out: prompt i, sample j -> engine request `{request_id}-{i}-{j}`, choice i*n+j.
-    max_tokens None means "up to the context length"."""
+    max_tokens None means the model's default (generation_config's max_new_tokens) or else "up to
+    the context length". forced_structure: the grammar tool_choice imposes."""
+    check_extra_fields(body)
+    structured = structured_params(body, forced_structure)
+    logit_bias = logit_bias_of(body, ctx.vocab_size)
+    if max_tokens is None and "max_tokens" in ctx.defaults:
+        max_tokens = min(ctx.defaults["max_tokens"], ctx.max_model_len - max(map(len, prompts), default=0))
+        max_tokens = max_tokens if max_tokens >= 1 else None
     if not 1 <= body.n <= MAX_N:
         raise APIError(f"n must be between 1 and {MAX_N}, got {body.n}", param="n")
     if max_tokens is not None and max_tokens < 1:
@@ -166,7 +210,8 @@ def build_requests(ctx: ServingContext, body: GenerationFields, request_id: str,
     for i, ids in enumerate(prompts):
         for j in range(body.n):
             seed = body.seed if body.seed is None or j == 0 else (body.seed + j * _SEED_STRIDE) % (1 << 63)
-            params = sampling_params(body, max_tokens, logprobs, prompt_logprobs, seed)
+            params = sampling_params(body, max_tokens, logprobs, prompt_logprobs, seed, ctx.defaults, logit_bias,
+                                     structured)
             rid = f"{request_id}-{i}-{j}"
             requests.append(EngineRequest(rid, ids, params, arrival, kv_transfer_params))
             choices[rid] = Choice(i * body.n + j, rid, i, ids, drop_output=drop_output, arrival_time=arrival,

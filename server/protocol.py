@@ -2,9 +2,9 @@
 import json
 import math
 import time
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tandem.engine.protocol import TokenLogprobs
 
@@ -17,10 +17,37 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class GenerationFields(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extensions)."""
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    # "schema" shadows a pydantic BaseModel attribute: read it through the alias
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
 
-    model_config = ConfigDict(extra="ignore")
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` request field (exactly one constraint)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None  # default here: compact JSON (weak models loop on whitespace)
+
+
+class GenerationFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extensions).
+    Fields nobody defines are kept in `model_extra`, logged and ignored (as vLLM does)."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = 1
@@ -42,6 +69,14 @@ class GenerationFields(BaseModel):
     user: str | None = None
     # PD disaggregation: passed through to EngineRequest.kv_transfer_params (see connectors/).
     kv_transfer_params: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and legacy guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -64,12 +99,60 @@ class CompletionRequest(GenerationFields):
     best_of: int | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
+    """OpenAI's rules: known roles only; content may be null only on an assistant message that
+    makes tool calls; a tool message answers a tool_call_id."""
+
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role} messages")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"content is required on a {self.role} message (null only on an assistant "
+                             f"message with tool_calls)")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(GenerationFields):
@@ -80,6 +163,9 @@ class ChatCompletionRequest(GenerationFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def clamp_logprob(value: float) -> float:

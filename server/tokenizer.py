@@ -1,6 +1,7 @@
 """The HF tokenizer and what the API needs around it: prompts, chat templates, per-token strings."""
 import logging
 from functools import lru_cache
+from pathlib import Path
 
 from tandem.server.errors import APIError
 
@@ -18,6 +19,15 @@ class Tokenizer:
         self.token_str = lru_cache(maxsize=1 << 16)(self._token_str)
         logger.info("tokenizer loaded: path=%s vocab=%d chat_template=%s", path, len(self.hf),
                     self.hf.chat_template is not None)
+
+    def set_chat_template(self, template: str) -> None:
+        """--chat-template: a file holding a Jinja template, or the template text itself."""
+        path = Path(template)
+        is_file = len(template) < 4096 and "{" not in template and path.is_file()
+        if not is_file and "{" not in template:
+            raise ValueError(f"--chat-template {template!r}: no such file, and not a Jinja template")
+        self.hf.chat_template = path.read_text() if is_file else template
+        logger.info("chat template set from %s", path if is_file else "the command line")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
