@@ -1,5 +1,6 @@
 """From one OpenAI request to engine requests and back: validation, fan-out over prompts and
 `n`, per-choice state (tokens, logprobs, incremental text, stop strings), and the output loop."""
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -33,7 +34,7 @@ class ServingContext:
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.model_name, "default", self.model_path):
             raise APIError(f"the model `{name}` does not exist; this server serves `{self.model_name}`",
-                           param="model", code="model_not_found")
+                           status=404, param="model", code="model_not_found")
 
 
 @dataclass
@@ -112,6 +113,11 @@ def sampling_params(body: GenerationFields, max_tokens: int | None, logprobs: in
                     prompt_logprobs: int | None, seed: int | None) -> SamplingParams:
     def pick(value, default):
         return default if value is None else value
+
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = getattr(body, name)
+        if value is not None and not math.isfinite(value):
+            raise APIError(f"{name} must be a finite number, got {value}", param=name)
 
     try:
         return SamplingParams(
