@@ -43,6 +43,8 @@ from tandem.router.registry import Instance, InstanceRegistry
 from tandem.router.relay import OnClose, RelayResponse, relay
 from tandem.router.upstream import Upstream, UpstreamStream
 from tandem.server.disconnect import ClientDisconnected, cancel_on_disconnect
+from tandem.server.errors import printable
+from tandem.server.text_check import find_invalid_text
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +72,22 @@ def peer_kv_address(inst: Instance) -> dict:
             "remote_port": inst.info.kv_handshake_port, "remote_notify_port": inst.info.kv_notify_port}
 
 
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
 async def parse_json_body(request: Request) -> tuple[dict, bytes]:
+    """The client's JSON object; not JSON (NaN, bad UTF-8, too deep) or not valid Unicode is a 400."""
     raw = await request.body()
     try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise RouterError(f"request body is not valid JSON: {e}", 400, "invalid_json") from e
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise RouterError(f"request body is not valid JSON: {printable(str(e))}", 400, "invalid_json") from None
     if not isinstance(body, dict):
         raise RouterError("request body must be a JSON object", 400, "invalid_json")
+    bad = find_invalid_text(body)
+    if bad is not None:
+        raise RouterError(bad, 400, "invalid_request", param=bad.split(":", 1)[0])
     return body, raw
 
 
@@ -124,7 +134,9 @@ class PDOrchestrator:
         client_streams = bool(body.get("stream", False))
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         headers = {"X-Request-Id": request_id}
-        if "authorization" in request.headers:  # instances that check an API key see the client's
+        if self.config.api_key:  # instances registered with a keyed router accept the router's key
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        elif "authorization" in request.headers:  # instances that check an API key see the client's
             headers["Authorization"] = request.headers["authorization"]
         try:
             first, decode = self.pick()

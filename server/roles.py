@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -13,6 +14,8 @@ import time
 import uuid
 
 from tandem.engine.config import EngineConfig, KVTransferConfig, add_engine_args
+from tandem.server.disagg_ports import add_disagg_port_args, check_ports_free, plan_ports
+from tandem.server.lifecycle import PortInUseError
 
 logger = logging.getLogger("tandem.server.roles")
 
@@ -32,6 +35,7 @@ def add_pd_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-decode", type=int, default=1, help="disagg: decode instances")
     g.add_argument("--prefill-gpus", default=None, help="disagg: GPU per prefill instance, e.g. 0,1")
     g.add_argument("--decode-gpus", default=None, help="disagg: GPU per decode instance, e.g. 2,3")
+    add_disagg_port_args(g)
 
 
 def free_port() -> int:
@@ -103,9 +107,24 @@ def _die_with_parent() -> None:
 
 
 def run_disagg(args: argparse.Namespace) -> int:
-    """Router + prefill + decode instances as children; any child's death stops the tree."""
-    registry_port = args.registry_port or free_port()
-    common = ["--log-level", args.log_level] + (["--api-key", args.api_key] if args.api_key else [])
+    """Router + prefill + decode instances as children; any child's death stops the tree. Every
+    port is fixed (and checked free) before the first child starts. SIGTERM drains the router
+    first, then the instances. The API key reaches the children through the environment (not
+    their command lines, which `ps` shows)."""
+    ports = plan_ports(args, free_port)
+    try:
+        check_ports_free(ports, args.host, args.port)
+    except PortInUseError as exc:
+        logger.error("%s", exc)
+        return 1
+    logger.info("disagg ports: %s", ports.describe(args.port))
+    registry_port = ports.registry
+    common = ["--log-level", args.log_level]
+    if args.shutdown_timeout_s is not None:
+        common += ["--shutdown-timeout", str(args.shutdown_timeout_s)]
+    env = dict(os.environ)
+    if args.api_key:
+        env["TANDEM_API_KEY"] = args.api_key
     prefill_gpus = args.prefill_gpus.split(",") if args.prefill_gpus else [None] * args.num_prefill
     decode_gpus = args.decode_gpus.split(",") if args.decode_gpus else [None] * args.num_decode
     if len(prefill_gpus) != args.num_prefill or len(decode_gpus) != args.num_decode:
@@ -114,7 +133,7 @@ def run_disagg(args: argparse.Namespace) -> int:
 
     def spawn(name: str, argv: list[str]) -> None:
         cmd = [sys.executable, "-m", "tandem.server", *argv, *common]
-        children.append((name, subprocess.Popen(cmd, preexec_fn=_die_with_parent)))
+        children.append((name, subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=env)))
         logger.info("started %s: %s", name, " ".join(cmd))
 
     router_argv = ["--role", "router", "--host", args.host, "--port", str(args.port),
@@ -124,9 +143,10 @@ def run_disagg(args: argparse.Namespace) -> int:
             router_argv += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     spawn("router", router_argv)
     base = engine_argv(args)
-    for role, gpus in (("prefill", prefill_gpus), ("decode", decode_gpus)):
+    for role, gpus, role_ports in (("prefill", prefill_gpus, ports.prefill), ("decode", decode_gpus, ports.decode)):
         for i, gpu in enumerate(gpus):
-            argv = ["--role", role, "--host", "127.0.0.1", "--port", str(free_port()),
+            argv = ["--role", role, "--host", "127.0.0.1", "--port", str(role_ports[i].http),
+                    "--kv-port", str(role_ports[i].kv),
                     "--router-address", f"127.0.0.1:{registry_port}", "--kv-transport", args.kv_transport, *base]
             if gpu is not None:
                 argv += ["--device", f"cuda:{gpu}"]
@@ -149,13 +169,22 @@ def run_disagg(args: argparse.Namespace) -> int:
             code = 1
             break
         time.sleep(0.2)
-    for _, p in children:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.time() + 15
-    for _, p in children:
-        try:
-            p.wait(max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            p.kill()
+    grace = (args.shutdown_timeout_s if args.shutdown_timeout_s is not None else 30.0) + 15.0
+    _stop_in_order([children[:1], children[1:]], grace)  # the router drains first: no new work reaches instances
     return code
+
+
+def _stop_in_order(waves: list[list[tuple[str, subprocess.Popen]]], grace_s: float) -> None:
+    """SIGTERM each wave and wait for it (SIGKILL after grace_s) before the next."""
+    for wave in waves:
+        for _, p in wave:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + grace_s
+        for name, p in wave:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop within %.0f s of SIGTERM; killing it", name, grace_s)
+                p.kill()
+                p.wait()
