@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tandem.engine.config import EngineConfig
 from tandem.server import __version__
@@ -128,7 +128,7 @@ def build_app(client: EngineClient, config: EngineConfig, tokenizer: Tokenizer |
             "id": name, "object": "model", "created": now(), "owned_by": "tandem", "root": config.model.model,
             "parent": None, "max_model_len": client.info.max_model_len if client.info else None}]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         ctx = app.state.ctx
         if ctx is None:

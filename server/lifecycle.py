@@ -86,10 +86,17 @@ def bind_socket(host: str, port: int, what: str, flag: str = "--port") -> socket
         sock.close()
         raise PortInUseError(f"cannot listen on {host}:{port} for {what}: {exc.strerror}; another process holds "
                              f"it (stop it or choose another {flag})") from None
-    sock.set_inheritable(True)
+    sock.listen(2048)  # connections wait in the backlog (not refused) until uvicorn serves them
     return sock
 
 
 def check_port_free(host: str, port: int, what: str, flag: str) -> None:
     """PortInUseError when host:port cannot be bound now (for ports a child process binds later)."""
-    bind_socket(host, port, what, flag).close()
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise PortInUseError(f"cannot listen on {host}:{port} for {what}: {exc.strerror}; another process "
+                                 f"holds it (stop it or choose another {flag})") from None

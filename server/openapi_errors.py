@@ -17,9 +17,13 @@ _DESCRIPTIONS = {400: "invalid request", 401: "missing or wrong API key", 404: "
                  504: "an instance did not answer in time"}
 
 
+STREAMING_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
 def document_errors(app: FastAPI, statuses: dict[str, tuple[int, ...]]) -> None:
     """Make `app.openapi()` list, for each path prefix in `statuses`, those error statuses with
-    the OpenAI error schema, in place of FastAPI's 422."""
+    the OpenAI error schema, in place of FastAPI's 422; the generation routes also answer
+    text/event-stream (`"stream": true`)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -31,6 +35,9 @@ def document_errors(app: FastAPI, statuses: dict[str, tuple[int, ...]]) -> None:
                 for op in operations.values():
                     responses = op.setdefault("responses", {})
                     responses.pop("422", None)
+                    if path in STREAMING_PATHS and "200" in responses:
+                        responses["200"].setdefault("content", {})["text/event-stream"] = {
+                            "schema": {"description": "SSE events: each data is a JSON chunk, the last [DONE]"}}
                     for code in codes:
                         responses.setdefault(str(code), {"description": _DESCRIPTIONS.get(code, "error"), **ref})
             for name in ("HTTPValidationError", "ValidationError"):
