@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.router.config import RouterConfig
@@ -117,7 +117,7 @@ def build_app(config: RouterConfig, lifecycle: Lifecycle | None = None) -> FastA
         return JSONResponse({"status": "unavailable", "role": "router", "reason": reason, "instances": counts},
                             status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics(request: Request) -> Response:
         metrics.observe_instances(request.app.state.registry.snapshot())
         return Response(metrics.render(), media_type=metrics.content_type)

@@ -144,6 +144,14 @@ class PDOrchestrator:
             self.metrics.requests.labels(path, "none").inc()
             self.metrics.failures.labels(path, str(e.status)).inc()
             raise
+        prompt, n = body.get("prompt"), body.get("n")
+        batched = isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+        if decode is not None and (batched or (type(n) is int and n > 1)):
+            # One KV transfer per request: the decode side of a batch or of n > 1 waits forever for the
+            # other transfers (bug left for the connector), so refuse it clearly instead of hanging.
+            self.metrics.failures.labels(path, "400").inc()
+            raise RouterError("a prefill/decode deployment serves one prompt and n=1 per request; send one request "
+                              "per prompt and sample", 400, "unsupported_in_pd", param="n" if not batched else "prompt")
         target = "collocated" if decode is None else f"pd_{self.config.kv_mode}"
         self.metrics.requests.labels(path, target).inc()
         self.metrics.in_flight.inc()
