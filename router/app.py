@@ -4,22 +4,26 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (API key
 checked when configured), GET /health, GET /metrics, GET /instances.
 """
 import logging
-import secrets
+import sys
 from contextlib import asynccontextmanager
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.router.config import RouterConfig
 from tandem.router.errors import RouterError, UpstreamHTTPError, error_response
+from tandem.router.text_check import printable
 from tandem.router.metrics import RouterMetrics
 from tandem.router.orchestrator import PDOrchestrator
 from tandem.router.protocol import ROLES
 from tandem.router.registry import InstanceRegistry
 from tandem.router.upstream import Upstream, make_http_client
+from tandem.server.auth import APIKeyMiddleware
+from tandem.server.lifecycle import GracefulServer, Lifecycle, PortInUseError, bind_socket, check_port_free
+from tandem.server.openapi_errors import document_errors
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +31,10 @@ logger = logging.getLogger(__name__)
 _MODELS_ROLE_ORDER = ("decode", "collocated", "prefill")
 
 
-def build_app(config: RouterConfig) -> FastAPI:
+def build_app(config: RouterConfig, lifecycle: Lifecycle | None = None) -> FastAPI:
     """The router app; its registry socket binds and its HTTP client opens at startup (lifespan)."""
     metrics = RouterMetrics()
+    lifecycle = lifecycle or Lifecycle()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -41,21 +46,20 @@ def build_app(config: RouterConfig) -> FastAPI:
             app.state.orchestrator = PDOrchestrator(config, registry, Upstream(client, registry, metrics), metrics)
             logger.info("router ready: kv_mode=%s routing_policy=%s registry=%s", config.kv_mode,
                         config.routing_policy, registry.address)
+            await lifecycle.ready()
             yield
         finally:
+            lifecycle.drain()
             await registry.stop()
             await client.aclose()
 
-    app = FastAPI(title="Tandem router", lifespan=lifespan)
+    off = {"docs_url": None, "redoc_url": None, "openapi_url": None} if config.disable_docs else {}
+    app = FastAPI(title="Tandem router", lifespan=lifespan, **off)
     app.state.config = config
     app.state.metrics = metrics
-
-    async def require_api_key(request: Request) -> None:
-        if config.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-            raise RouterError("invalid or missing API key: send 'Authorization: Bearer <key>'", 401, "invalid_api_key")
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    document_errors(app, {"/v1/models": (401, 503), "/v1/": (400, 401, 404, 502, 503, 504)})
 
     @app.exception_handler(RouterError)
     async def on_router_error(_: Request, exc: RouterError) -> Response:
@@ -70,22 +74,22 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_: Request, exc: RequestValidationError) -> Response:
-        return error_response(str(exc), 400, "invalid_request")
+        return error_response(printable(str(exc)), 400, "invalid_request")
 
     @app.exception_handler(Exception)
     async def on_unexpected_error(request: Request, exc: Exception) -> Response:
         logger.exception("router bug while serving %s %s", request.method, request.url.path)
         return error_response(f"internal router error: {type(exc).__name__}: {exc}", 500, "internal_error")
 
-    @app.post("/v1/completions", dependencies=[Depends(require_api_key)])
+    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await request.app.state.orchestrator.serve(request, "/v1/completions")
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await request.app.state.orchestrator.serve(request, "/v1/chat/completions")
 
-    @app.get("/v1/models", dependencies=[Depends(require_api_key)])
+    @app.get("/v1/models")
     async def models(request: Request) -> Response:
         orchestrator: PDOrchestrator = request.app.state.orchestrator
         failures = []
@@ -102,15 +106,18 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def health(request: Request) -> Response:
         registry: InstanceRegistry = request.app.state.registry
         counts = {role: len(registry.routable(role)) for role in ROLES}
+        if lifecycle.status != "ready":
+            return JSONResponse({"status": lifecycle.status, "role": "router", "instances": counts}, status_code=503)
         if (counts["prefill"] and counts["decode"]) or counts["collocated"]:
-            return JSONResponse({"status": "ok", "instances": counts})
+            return JSONResponse({"status": "ok", "role": "router", "instances": counts})
         if counts["prefill"] or counts["decode"]:
             reason = f"no {'decode' if counts['prefill'] else 'prefill'} instance to complete a prefill/decode pair"
         else:
             reason = "no instance registered"
-        return JSONResponse({"status": "unavailable", "reason": reason, "instances": counts}, status_code=503)
+        return JSONResponse({"status": "unavailable", "role": "router", "reason": reason, "instances": counts},
+                            status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics(request: Request) -> Response:
         metrics.observe_instances(request.app.state.registry.snapshot())
         return Response(metrics.render(), media_type=metrics.content_type)
@@ -125,11 +132,23 @@ def build_app(config: RouterConfig) -> FastAPI:
 
 
 def run_router(config: RouterConfig) -> None:
-    """Serve the router until SIGINT/SIGTERM (blocking). When it cannot start (HTTP port or registry
-    port taken) uvicorn logs why and raises SystemExit with a non-zero code."""
+    """Serve the router until SIGINT/SIGTERM (blocking; SIGTERM drains open requests for up to
+    config.shutdown_timeout_s). When its HTTP or registry port is taken it logs why and raises
+    SystemExit(1) before serving."""
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per upstream request
-    server = uvicorn.Server(uvicorn.Config(build_app(config), host=config.host, port=config.port,
-                                           log_level=config.log_level, lifespan="on"))
-    server.run()
+    try:
+        sock = bind_socket(config.host, config.port, "the router's HTTP API")
+        if config.registry_port:
+            check_port_free(config.registry_host, config.registry_port, "the router registry", "--registry-port")
+    except PortInUseError as exc:
+        logger.error("%s", exc)
+        sys.exit(1)
+    lifecycle = Lifecycle()
+    server = GracefulServer(uvicorn.Config(build_app(config, lifecycle), log_level=config.log_level, lifespan="on",
+                                           timeout_graceful_shutdown=config.shutdown_timeout_s), lifecycle)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()

@@ -31,6 +31,8 @@ class RouterConfig:
     health_check_timeout_s: float = 2.0
     api_key: str | None = None
     log_level: str = "info"
+    shutdown_timeout_s: float = 30.0  # SIGTERM: open requests get this long to finish
+    disable_docs: bool = False
 
     def __post_init__(self) -> None:
         if self.routing_policy not in ("round_robin", "least_load"):
@@ -87,4 +89,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             f"{d.health_check_timeout_s})")
     _add(group, "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     _add(group, "--log-level", default=None, help=f"log level (default {d.log_level})")
+    _add(group, "--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=None,
+         help=f"on SIGTERM, seconds open requests get to finish (default {d.shutdown_timeout_s:g})")
+    _add(group, "--disable-docs", action="store_true", default=None,
+         help="do not serve /docs, /redoc and /openapi.json")
     return parser

@@ -49,6 +49,7 @@ from tandem.router.registry import Instance, InstanceRegistry
 from tandem.router.relay import OnClose, RelayResponse, relay
 from tandem.router.upstream import Upstream, UpstreamStream
 from tandem.router.disconnect import ClientDisconnected, cancel_on_disconnect
+from tandem.router.text_check import find_invalid_text, printable
 
 logger = logging.getLogger(__name__)
 
@@ -86,14 +87,22 @@ def kv_params(**fields) -> dict:
     return KVTransferParams(**fields).to_dict()
 
 
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
 async def parse_json_body(request: Request) -> tuple[dict, bytes]:
+    """The client's JSON object; not JSON (NaN, bad UTF-8, too deep) or not valid Unicode is a 400."""
     raw = await request.body()
     try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise RouterError(f"request body is not valid JSON: {e}", 400, "invalid_json") from e
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise RouterError(f"request body is not valid JSON: {printable(str(e))}", 400, "invalid_json") from None
     if not isinstance(body, dict):
         raise RouterError("request body must be a JSON object", 400, "invalid_json")
+    bad = find_invalid_text(body)
+    if bad is not None:
+        raise RouterError(bad, 400, "invalid_request", param=bad.split(":", 1)[0])
     return body, raw
 
 
@@ -140,7 +149,9 @@ class PDOrchestrator:
         client_streams = bool(body.get("stream", False))
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         headers = {"X-Request-Id": request_id}
-        if "authorization" in request.headers:  # instances that check an API key see the client's
+        if self.config.api_key:  # instances registered with a keyed router accept the router's key
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        elif "authorization" in request.headers:  # instances that check an API key see the client's
             headers["Authorization"] = request.headers["authorization"]
         try:
             first, decode = self.pick()
@@ -148,6 +159,14 @@ class PDOrchestrator:
             self.metrics.requests.labels(path, "none").inc()
             self.metrics.failures.labels(path, str(e.status)).inc()
             raise
+        prompt, n = body.get("prompt"), body.get("n")
+        batched = isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+        if decode is not None and (batched or (type(n) is int and n > 1)):
+            # One KV transfer per request: the decode side of a batch or of n > 1 waits forever for the
+            # other transfers (bug left for the connector), so refuse it clearly instead of hanging.
+            self.metrics.failures.labels(path, "400").inc()
+            raise RouterError("a prefill/decode deployment serves one prompt and n=1 per request; send one request "
+                              "per prompt and sample", 400, "unsupported_in_pd", param="n" if not batched else "prompt")
         target = "collocated" if decode is None else f"pd_{self.config.kv_mode}"
         self.metrics.requests.labels(path, target).inc()
         self.metrics.in_flight.inc()

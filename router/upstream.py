@@ -136,8 +136,11 @@ class Upstream:
         return stream
 
     async def get_json(self, inst: Instance, path: str) -> dict:
+        key = self.registry.config.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else None  # instances accept the router's key
         try:
-            resp = await self.client.get(inst.url + path, timeout=self.registry.config.health_check_timeout_s)
+            resp = await self.client.get(inst.url + path, headers=headers,
+                                         timeout=self.registry.config.health_check_timeout_s)
         except httpx.HTTPError as e:
             raise self.failure(inst, e) from e
         if resp.status_code != 200:

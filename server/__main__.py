@@ -6,12 +6,15 @@ router: the PD proxy (router/). disagg: router + prefill + decode in one process
 """
 import argparse
 import logging
+import os
 import signal
 import sys
 
 logger = logging.getLogger("tandem.server")
 
 ROLES = ("collocated", "prefill", "decode", "router", "disagg")
+API_KEY_ENV = "TANDEM_API_KEY"
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 class _StopRequested(BaseException):
@@ -23,15 +26,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--role", choices=ROLES, default="collocated")
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1 routes")
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"))
+    parser.add_argument("--role", choices=ROLES, default="collocated", help="which part of a deployment to start")
+    parser.add_argument("--host", default="0.0.0.0", help="HTTP bind address")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (bound before the model loads)")
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer <key>` on /v1 routes and the API docs (visible in "
+                             "`ps`: prefer --api-key-file or the TANDEM_API_KEY environment variable)")
+    parser.add_argument("--api-key-file", default=None, help="read the API key from this file (first line)")
+    parser.add_argument("--disable-docs", action="store_true", default=None,
+                        help="do not serve /docs, /redoc and /openapi.json")
+    parser.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=None,
+                        help=f"on SIGTERM, seconds open requests get to finish before they are aborted "
+                             f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"),
+                        help="log level of every process of this deployment")
     add_engine_args(parser)
     from tandem.server.roles import add_pd_args
     add_pd_args(parser)
     return parser
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """The API key from --api-key, else --api-key-file, else $TANDEM_API_KEY (the one environment
+    variable Tandem reads, here at the CLI layer only)."""
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file) as f:
+                key = f.readline().strip()
+        except OSError as exc:
+            raise SystemExit(f"server: --api-key-file {args.api_key_file}: {exc.strerror}")
+        if not key:
+            raise SystemExit(f"server: --api-key-file {args.api_key_file} is empty")
+        return key
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def _raise_stop(signum, frame) -> None:
@@ -39,51 +68,73 @@ def _raise_stop(signum, frame) -> None:
 
 
 def run_api_server(args: argparse.Namespace) -> int:
-    """API process + engine core process; returns the exit code (1 if the engine core died)."""
+    """API process + engine core process; returns the exit code (1 if the engine core died or
+    failed to start). The HTTP port (and the KV port of a PD instance) is bound before the model
+    loads; /health answers 503 until it has loaded."""
     import uvicorn
 
     from tandem.engine.config import config_from_args
     from tandem.server.api import build_app
     from tandem.server.engine_client import EngineClient, EngineStartupError
+    from tandem.server.lifecycle import (GracefulServer, Lifecycle, PortInUseError, bind_socket,
+                                          check_port_free)
     from tandem.server.tokenizer import Tokenizer
 
     config = config_from_args(args)
-    registration = None
-    if args.role in ("prefill", "decode"):
-        from tandem.server.roles import pd_config
-        config = pd_config(args, config)
+    try:
+        sock = bind_socket(args.host, args.port, "the HTTP API")
+        if args.role in ("prefill", "decode"):
+            from tandem.server.roles import pd_config
+            config = pd_config(args, config)
+            kv_port = int(config.kv_transfer.kv_connector_extra_config["handshake_port"])
+            check_port_free("0.0.0.0", kv_port, "the KV handshake", "--kv-port")
+    except PortInUseError as exc:
+        logger.error("%s", exc)
+        return 1
+    lifecycle = Lifecycle()
+    registration = []
     client = EngineClient(config, args.log_level)
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         client.start()
-        tokenizer, tokenizer_error = None, None
+        tokenizer = None
         try:  # load the tokenizer while the engine core loads the model
             tokenizer = Tokenizer(config.model.tokenizer or config.model.model)
-        except Exception as exc:  # the engine's start-up error, if any, says more: report that first
-            tokenizer_error = exc
-        client.wait_ready()
-        if tokenizer_error is not None:
-            raise tokenizer_error
-        app = build_app(client, config, tokenizer, args.api_key)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                               timeout_graceful_shutdown=5, timeout_keep_alive=30))
+        except Exception:  # the engine's start-up error, if any, says more; the app retries with its path
+            logger.debug("tokenizer not loaded from %s before the engine", config.model.model, exc_info=True)
+        app = build_app(client, config, tokenizer, args.api_key, role=args.role, lifecycle=lifecycle,
+                        docs=not args.disable_docs)
+        timeout = args.shutdown_timeout_s if args.shutdown_timeout_s is not None else DEFAULT_SHUTDOWN_TIMEOUT_S
+        server = GracefulServer(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=timeout,
+                                               timeout_keep_alive=30), lifecycle)
         client.on_dead = lambda: setattr(server, "should_exit", True)
-        logger.info("serving %s on http://%s:%d", config.model.model, args.host, args.port)
-        if args.role in ("prefill", "decode"):
-            from tandem.server.roles import start_registration
-            registration = start_registration(args, config, client)  # the router health-checks before routing
-        server.run()
-    except EngineStartupError as exc:
-        logger.error("%s", exc)
-        return 1
+        lifecycle.on_failed.append(lambda: setattr(server, "should_exit", True))
+
+        async def serving() -> None:
+            await server.wait_started()
+            logger.info("serving %s on http://%s:%d", config.model.model, args.host, args.port)
+            if args.role in ("prefill", "decode"):  # the router health-checks at once: we answer 200 now
+                from tandem.server.roles import start_registration
+                registration.append(start_registration(args, config, client))
+
+        lifecycle.on_ready.append(serving)
+        lifecycle.on_drain.append(lambda: [r.stop() for r in registration])  # the router stops routing here
+        logger.info("listening on http://%s:%d (503 until the model is loaded)", args.host, args.port)
+        server.run(sockets=[sock])
     except _StopRequested as exc:
         logger.info("%s received; stopping", exc)
     finally:
-        if registration is not None:
-            registration.stop()
+        for reg in registration:
+            reg.stop()
+        client.cancel_start()
         client.shutdown()
+        sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if lifecycle.status == "failed":
+        err = lifecycle.error
+        logger.error("%s", err if isinstance(err, EngineStartupError) else f"start-up failed: {err!r}")
+        return 1
     if client.dead:
         logger.error("exiting with an error: an engine core process died (exit code %s)", client.dead_exitcode)
         return 1
@@ -106,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         router.add_router_args(parser)  # shared flags (--host, --port, --api-key, --log-level) are reused
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.api_key = resolve_api_key(args)
     if args.role == "router":
         if router is None:
             parser.error("--role router: the router package does not provide add_router_args/run_router")

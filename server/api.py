@@ -1,44 +1,34 @@
-"""The FastAPI app: OpenAI routes, health/version/metrics, API-key check, disconnect -> abort."""
+"""The FastAPI app: OpenAI routes, health/version/metrics, API-key check, disconnect -> abort.
+
+The app serves from the moment its socket is bound: while the engine loads the model, /health
+answers 503 {"status": "starting"} and the OpenAI routes 503; then it turns ready (and runs the
+lifecycle's on_ready callbacks, e.g. router registration)."""
+import asyncio
 import logging
-import secrets
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tandem.engine.config import EngineConfig
 from tandem.server import __version__
+from tandem.server.auth import APIKeyMiddleware
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
 from tandem.router.disconnect import ClientDisconnected, cancel_on_disconnect
 from tandem.server.engine_client import EngineClient
-from tandem.server.errors import EngineDeadError, error_body, error_response, install_error_handlers
+from tandem.server.errors import APIError, EngineDeadError, error_body, install_error_handlers
 from tandem.server.generation import ServingContext, generation_defaults
+from tandem.server.lifecycle import Lifecycle
 from tandem.server.metrics import CONTENT_TYPE, ServerMetrics
+from tandem.server.openapi_errors import document_errors
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, now
+from tandem.router.text_check import find_invalid_text
 from tandem.server.tokenizer import Tokenizer
 from tandem.server.tokenize_routes import tokenize_router
 
 logger = logging.getLogger(__name__)
-
-
-class APIKeyMiddleware:
-    """401 on /v1 routes unless `Authorization: Bearer <key>` matches (plain ASGI: streams untouched)."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                body = error_body("invalid or missing API key (send `Authorization: Bearer <key>`)", 401,
-                                  code="invalid_api_key")
-                await JSONResponse(body, status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 async def _cancel_on_disconnect(request: Request, handler):
@@ -63,38 +53,83 @@ def served_model_name(config: EngineConfig) -> str:
 
 
 def build_app(client: EngineClient, config: EngineConfig, tokenizer: Tokenizer | None = None,
-              api_key: str | None = None) -> FastAPI:
-    """The app for a ready EngineClient (its `info` is set); `tokenizer` may be preloaded."""
-    info = client.info
-    if tokenizer is None or tokenizer.path != info.tokenizer_path:
-        tokenizer = Tokenizer(info.tokenizer_path)
-    name, serving = served_model_name(config), config.serving
-    if serving.chat_template is not None:
-        tokenizer.set_chat_template(serving.chat_template)
-    ctx = ServingContext(client=client, tokenizer=tokenizer, model_name=name,
-                         model_path=config.model.model, max_model_len=info.max_model_len,
-                         vocab_size=info.vocab_size, metrics=ServerMetrics(name),
-                         served_names=served_model_names(config),
-                         defaults=generation_defaults(serving.generation_config, config.model.model),
-                         tool_parser=serving.tool_call_parser if serving.enable_auto_tool_choice else None)
+              api_key: str | None = None, *, role: str = "collocated", lifecycle: Lifecycle | None = None,
+              docs: bool = True) -> FastAPI:
+    """The app for an EngineClient that is started (`client.info` set once ready; if it is not
+    yet, the app waits for it in the background). `tokenizer` may be preloaded."""
+    lifecycle = lifecycle or Lifecycle()
+    name, serving_config = served_model_name(config), config.serving
+
+    def make_context(tok: Tokenizer | None) -> ServingContext:
+        info = client.info
+        if tok is None or tok.path != info.tokenizer_path:
+            tok = Tokenizer(info.tokenizer_path)
+        if serving_config.chat_template is not None:
+            tok.set_chat_template(serving_config.chat_template)
+        tool_parser = serving_config.tool_call_parser if serving_config.enable_auto_tool_choice else None
+        return ServingContext(client=client, tokenizer=tok, model_name=name, model_path=config.model.model,
+                              max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+                              metrics=ServerMetrics(name), served_names=served_model_names(config),
+                              defaults=generation_defaults(serving_config.generation_config, config.model.model),
+                              tool_parser=tool_parser)
+
+    async def become_ready(app: FastAPI) -> None:
+        try:
+            if app.state.ctx is None:
+                if client.info is None:
+                    await asyncio.to_thread(client.wait_ready)
+                app.state.ctx = await asyncio.to_thread(make_context, tokenizer)
+            await client.start_output_loop()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the engine failed to start: the caller logs it and exits non-zero
+            lifecycle.fail(exc)
+            return
+        await lifecycle.ready()
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI):
-        await client.start_output_loop()
-        yield
-        await client.stop_output_loop()
+    async def lifespan(app: FastAPI):
+        starting = asyncio.create_task(become_ready(app), name="become-ready")
+        try:
+            yield
+        finally:
+            lifecycle.drain()
+            if not starting.done():
+                client.cancel_start()
+                starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            await client.stop_output_loop()
 
-    app = FastAPI(title="Tandem", version=__version__, lifespan=lifespan)
-    app.state.ctx = ctx
+    off = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="Tandem", version=__version__, lifespan=lifespan, **off)
+    app.state.ctx = None
+    if client.info is not None:  # already loaded (tests): ready at once; on_ready still runs in lifespan
+        app.state.ctx = make_context(tokenizer)
+        lifecycle.status = "ready"
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    document_errors(app, {"/v1/models": (401,), "/v1/": (400, 401, 404, 503)})
 
-    @app.get("/health")
+    def serving(body=None) -> ServingContext:
+        ctx = app.state.ctx
+        if ctx is None:
+            raise APIError(f"the server is {lifecycle.status} (the model is not loaded); retry when /health "
+                           "answers 200", status=503, code="server_not_ready")
+        if body is not None:
+            bad = find_invalid_text(body)
+            if bad is not None:
+                raise APIError(bad, param=bad.split(":", 1)[0])
+        return ctx
+
+    @app.get("/health", responses={503: {"description": "starting, draining, failed, or the engine died"}})
     async def health() -> Response:
+        body = {"status": lifecycle.status, "role": role, "model": name}
         if client.dead or not all(p.is_alive() for p in client.procs):
-            return error_response(EngineDeadError())
-        return Response(status_code=200)
+            dead = EngineDeadError()
+            return JSONResponse({**body, "status": "dead", **error_body(dead.message, 503, code=dead.code)},
+                                status_code=503)
+        return JSONResponse(body, status_code=200 if lifecycle.status == "ready" else 503)
 
     @app.get("/version")
     async def version() -> dict:
@@ -104,20 +139,24 @@ def build_app(client: EngineClient, config: EngineConfig, tokenizer: Tokenizer |
     async def models() -> dict:
         return {"object": "list", "data": [{
             "id": served, "object": "model", "created": now(), "owned_by": "tandem", "root": config.model.model,
-            "parent": None, "max_model_len": info.max_model_len} for served in ctx.served_names]}
+            "parent": None, "max_model_len": client.info.max_model_len if client.info else None}
+            for served in served_model_names(config)]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
+        ctx = app.state.ctx
+        if ctx is None:
+            return Response("", media_type=CONTENT_TYPE)
         ctx.metrics.set_engine_stats(await client.get_stats())
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await _cancel_on_disconnect(request, create_completion(ctx, body))
+        return await _cancel_on_disconnect(request, create_completion(serving(body), body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await _cancel_on_disconnect(request, create_chat_completion(ctx, body))
+        return await _cancel_on_disconnect(request, create_chat_completion(serving(body), body))
 
-    app.include_router(tokenize_router(ctx))
+    app.include_router(tokenize_router(serving))
     return app

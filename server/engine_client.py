@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -96,6 +97,7 @@ class EngineClient:
         self.info: EngineInfo | None = None
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self._ready_conns = []
+        self._start_cancelled = threading.Event()
         self.dead = False
         self.dead_exitcode: int | None = None
         self.on_dead: Callable[[], None] | None = None
@@ -158,7 +160,9 @@ class EngineClient:
     def wait_ready(self) -> EngineInfo:
         """Block until every engine core reports ready; EngineStartupError (with its traceback) if one fails."""
         for proc, conn in zip(self.procs, self._ready_conns):
-            while not conn.poll(0.5):
+            while not conn.poll(0.2):
+                if self._start_cancelled.is_set():
+                    raise EngineStartupError("start-up cancelled (the server is stopping)")
                 dead = [p for p in self.procs if not p.is_alive()]
                 if dead:
                     raise EngineStartupError(f"engine core process {dead[0].name} exited during start-up (exit "
@@ -175,6 +179,10 @@ class EngineClient:
         logger.info("engine core ready: %d process(es), max_model_len=%d vocab_size=%d",
                     len(self.procs), self.info.max_model_len, self.info.vocab_size)
         return self.info
+
+    def cancel_start(self) -> None:
+        """Make a `wait_ready` blocked in another thread give up (the server stops while loading)."""
+        self._start_cancelled.set()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine cores (SIGTERM, then SIGKILL after `timeout`) and release the sockets."""

@@ -6,6 +6,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.router.text_check import printable
+
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -31,7 +33,7 @@ class EngineDeadError(APIError):
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+    return {"error": {"message": printable(message), "type": _TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code if code is not None else status}}
 
 
@@ -82,7 +84,30 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500), status_code=500)
+    app.add_middleware(CatchAllMiddleware)
+
+
+class CatchAllMiddleware:
+    """A bug in a route becomes one logged traceback and a 500 error JSON on a connection that
+    stays usable (Starlette's own handler re-raises, so uvicorn logs it twice and drops the link)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            logger.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if not started:  # else the client sees the stream end early; nothing else can be sent
+                body = error_body(f"internal error: {type(exc).__name__}: {exc}", 500)
+                await JSONResponse(body, status_code=500)(scope, receive, send)

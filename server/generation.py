@@ -2,6 +2,7 @@
 `n`, per-choice state (tokens, logprobs, incremental text, stop strings), and the output loop."""
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -63,7 +64,7 @@ class ServingContext:
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.model_name, "default", self.model_path, *self.served_names):
             raise APIError(f"the model `{name}` does not exist; this server serves `{self.model_name}`",
-                           param="model", code="model_not_found")
+                           status=404, param="model", code="model_not_found")
 
 
 @dataclass
@@ -148,6 +149,11 @@ def sampling_params(body: GenerationFields, max_tokens: int | None, logprobs: in
     def pick(name: str, default):
         value = getattr(body, name)
         return defaults.get(name, default) if value is None else value
+
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = getattr(body, name)
+        if value is not None and not math.isfinite(value):
+            raise APIError(f"{name} must be a finite number, got {value}", param=name)
 
     try:
         return SamplingParams(

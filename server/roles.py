@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -13,6 +14,8 @@ import time
 import uuid
 
 from tandem.engine.config import EngineConfig, KVTransferConfig, add_engine_args
+from tandem.server.disagg_ports import add_disagg_port_args, check_ports_free, plan_ports
+from tandem.server.lifecycle import PortInUseError
 
 logger = logging.getLogger("tandem.server.roles")
 
@@ -38,6 +41,7 @@ def add_pd_args(parser: argparse.ArgumentParser) -> None:
                    help="disagg: --tensor-parallel-size of each prefill instance (default: --tensor-parallel-size)")
     g.add_argument("--decode-tp", type=int, default=None,
                    help="disagg: --tensor-parallel-size of each decode instance (default: --tensor-parallel-size)")
+    add_disagg_port_args(g)
 
 
 def free_port() -> int:
@@ -147,9 +151,24 @@ def _die_with_parent() -> None:
 
 
 def run_disagg(args: argparse.Namespace) -> int:
-    """Router + prefill + decode instances as children; any child's death stops the tree."""
-    registry_port = args.registry_port or free_port()
-    common = ["--log-level", args.log_level] + (["--api-key", args.api_key] if args.api_key else [])
+    """Router + prefill + decode instances as children; any child's death stops the tree. Every
+    port is fixed (and checked free) before the first child starts. SIGTERM drains the router
+    first, then the instances. The API key reaches the children through the environment (not
+    their command lines, which `ps` shows)."""
+    ports = plan_ports(args, free_port)
+    try:
+        check_ports_free(ports, args.host, args.port)
+    except PortInUseError as exc:
+        logger.error("%s", exc)
+        return 1
+    logger.info("disagg ports: %s", ports.describe(args.port))
+    registry_port = ports.registry
+    common = ["--log-level", args.log_level]
+    if args.shutdown_timeout_s is not None:
+        common += ["--shutdown-timeout", str(args.shutdown_timeout_s)]
+    env = dict(os.environ)
+    if args.api_key:
+        env["TANDEM_API_KEY"] = args.api_key
     tp = {"prefill": args.prefill_tp or args.tensor_parallel_size or 1,
           "decode": args.decode_tp or args.tensor_parallel_size or 1}
     prefill_gpus, decode_gpus = _gpus_in_order(args, tp)
@@ -159,7 +178,7 @@ def run_disagg(args: argparse.Namespace) -> int:
 
     def spawn(name: str, argv: list[str]) -> None:
         cmd = [sys.executable, "-m", "tandem.server", *argv, *common]
-        children.append((name, subprocess.Popen(cmd, preexec_fn=_die_with_parent)))
+        children.append((name, subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=env)))
         logger.info("started %s: %s", name, " ".join(cmd))
 
     router_argv = ["--role", "router", "--host", args.host, "--port", str(args.port),
@@ -169,11 +188,14 @@ def run_disagg(args: argparse.Namespace) -> int:
             router_argv += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     spawn("router", router_argv)
     base = _without_flags(engine_argv(args), ("--tensor-parallel-size", "--master-port", "--device"))
-    for role, gpus in (("prefill", prefill_gpus), ("decode", decode_gpus)):
+    for role, gpus, role_ports in (("prefill", prefill_gpus, ports.prefill), ("decode", decode_gpus, ports.decode)):
         for i, gpu in enumerate(gpus):
-            argv = ["--role", role, "--host", "127.0.0.1", "--port", str(free_port()),
+            argv = ["--role", role, "--host", "127.0.0.1", "--port", str(role_ports[i].http),
+                    "--kv-port", str(role_ports[i].kv),
                     "--router-address", f"127.0.0.1:{registry_port}", "--kv-transport", args.kv_transport, *base,
-                    "--tensor-parallel-size", str(tp[role]), "--master-port", str(free_port())]
+                    "--tensor-parallel-size", str(tp[role])]
+            if tp[role] > 1:  # the instance's torch.distributed rendezvous (loopback only)
+                argv += ["--master-port", str(free_port())]
             if gpu is not None:
                 argv += ["--device", f"cuda:{gpu}"]
             elif args.device is not None:
@@ -197,13 +219,22 @@ def run_disagg(args: argparse.Namespace) -> int:
             code = 1
             break
         time.sleep(0.2)
-    for _, p in children:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.time() + 15
-    for _, p in children:
-        try:
-            p.wait(max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            p.kill()
+    grace = (args.shutdown_timeout_s if args.shutdown_timeout_s is not None else 30.0) + 15.0
+    _stop_in_order([children[:1], children[1:]], grace)  # the router drains first: no new work reaches instances
     return code
+
+
+def _stop_in_order(waves: list[list[tuple[str, subprocess.Popen]]], grace_s: float) -> None:
+    """SIGTERM each wave and wait for it (SIGKILL after grace_s) before the next."""
+    for wave in waves:
+        for _, p in wave:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + grace_s
+        for name, p in wave:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop within %.0f s of SIGTERM; killing it", name, grace_s)
+                p.kill()
+                p.wait()

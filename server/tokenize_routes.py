@@ -1,4 +1,6 @@
 """POST /tokenize and /detokenize, with vLLM's request and response shapes."""
+from collections.abc import Callable
+
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,11 +32,13 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def tokenize_router(ctx: ServingContext) -> APIRouter:
+def tokenize_router(serving: Callable[..., ServingContext]) -> APIRouter:
+    """/tokenize and /detokenize; `serving(body)` is the ready context (503 while loading, 400 on bad text)."""
     router = APIRouter()
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
+        ctx = serving(body)
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
@@ -53,6 +57,7 @@ def tokenize_router(ctx: ServingContext) -> APIRouter:
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
+        ctx = serving(body)
         ctx.check_model(body.model)
         bad = next((t for t in body.tokens if not 0 <= t < ctx.vocab_size), None)
         if bad is not None:

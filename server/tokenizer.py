@@ -30,6 +30,12 @@ class Tokenizer:
         logger.info("chat template set from %s", path if is_file else "the command line")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; text that is not valid Unicode (a lone surrogate) is the client's 400."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise APIError(f"the prompt is not valid Unicode: lone surrogate U+{ord(text[exc.start]):04X} at "
+                           f"character {exc.start}", param="prompt") from None
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

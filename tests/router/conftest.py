@@ -31,7 +31,8 @@ class RouterHarness:
         return inst.start(register)
 
     def registered(self) -> dict[str, dict]:
-        return {i["instance_id"]: i for i in self.client.get("/instances").json()["instances"]}
+        key = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        return {i["instance_id"]: i for i in self.client.get("/instances", headers=key).json()["instances"]}
 
     def wait_routable(self, *instance_ids: str, timeout_s: float = 5.0) -> None:
         def ready():

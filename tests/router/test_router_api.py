@@ -54,6 +54,9 @@ def test_api_key_enforced_on_v1_routes(make_router):
     assert router.instances[0].received[0]["headers"]["authorization"] == "Bearer sk-test"  # forwarded
     assert router.client.get("/health").status_code == 200  # not a /v1 route
     assert router.client.get("/metrics").status_code == 200
+    for path in ("/docs", "/openapi.json", "/instances"):  # the API description and the instance list
+        _assert_openai_error(router.client.get(path), 401)
+        assert router.client.get(path, headers={"Authorization": "Bearer sk-test"}).status_code == 200
 
 
 def test_models_from_a_healthy_instance(make_router):

@@ -214,7 +214,6 @@ def _good(client):
     {"prompt": [[]]},
     {"prompt": [1, 2, 10 ** 6]},
     {"prompt": [1, 2, -3]},
-    {"prompt": "hi", "model": "no-such-model"},
     {"prompt": "hi", "max_tokens": "ten"},
     {"prompt": {"not": "a prompt"}},
     {"prompt": "hi", "stop": 5},

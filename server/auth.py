@@ -1,0 +1,30 @@
+"""The API key check, shared by the API server and the router: with a key set, the OpenAI routes
+(/v1/...) and the API description (/docs, /redoc, /openapi.json) need `Authorization: Bearer
+<key>`. /health and /metrics stay open: load balancers and Prometheus probe them without
+secrets, and they carry no prompts, outputs or keys."""
+import secrets
+
+from fastapi.responses import JSONResponse
+
+from tandem.server.errors import error_body
+
+PROTECTED_PREFIXES = ("/v1", "/docs", "/redoc", "/openapi.json", "/instances")
+
+
+class APIKeyMiddleware:
+    """401 on protected routes unless the bearer key matches (plain ASGI: streams untouched)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if (scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES)
+                and scope["method"] != "OPTIONS"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                body = error_body("invalid or missing API key (send `Authorization: Bearer <key>`)", 401,
+                                  code="invalid_api_key")
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
