@@ -53,4 +53,7 @@ def make_transport(name: str, kv_cache: torch.Tensor, agent):
     if name == "mori":
         from tandem.connectors.mori import MoriTransport
         return MoriTransport(kv_cache, agent)
-    raise ValueError(f"unknown KV transport {name!r}; expected tcp, ipc or mori")
+    if name == "nixl":
+        from tandem.connectors.nixl import NixlTransport
+        return NixlTransport(kv_cache, f"tandem-{agent.engine_id}", agent.timeout_ms / 1000)
+    raise ValueError(f"unknown KV transport {name!r}; expected tcp, ipc, mori or nixl")
