@@ -1,5 +1,6 @@
 """Two engines in one process joined by the real TandemConnector over the tcp transport.
 Reference: a collocated engine's greedy output on the same model."""
+import importlib.util
 import time
 import uuid
 
@@ -12,6 +13,9 @@ from tandem.engine.protocol import EngineRequest
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPTS = [list(range(10, 10 + n)) for n in (1, 5, 17, 33, 40)]
+# Host transports (no GPU needed); nixl runs over DRAM with UCX when the nixl extra is installed.
+TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(
+    importlib.util.find_spec("nixl") is None, reason="the nixl extra is not installed"))]
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +74,10 @@ def settle(*cores):
         time.sleep(0.01)
 
 
-def test_read_mode_matches_collocated(model_dir, expected):
-    prefill, decode = make(model_dir, "kv_producer"), make(model_dir, "kv_consumer")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_read_mode_matches_collocated(model_dir, expected, transport):
+    prefill = make(model_dir, "kv_producer", transport=transport)
+    decode = make(model_dir, "kv_consumer", transport=transport)
     try:
         for i, p in enumerate(PROMPTS):
             prefill.add_request(EngineRequest(f"p{i}", p, SamplingParams(max_tokens=1),
@@ -93,8 +99,10 @@ def test_read_mode_matches_collocated(model_dir, expected):
         decode.shutdown()
 
 
-def test_write_mode_matches_collocated(model_dir, expected):
-    prefill, decode = make(model_dir, "kv_producer"), make(model_dir, "kv_consumer")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_write_mode_matches_collocated(model_dir, expected, transport):
+    prefill = make(model_dir, "kv_producer", transport=transport)
+    decode = make(model_dir, "kv_consumer", transport=transport)
     host, port = prefill.connector.address.rsplit(":", 1)
     dhost, dport = decode.connector.address.rsplit(":", 1)
     try:

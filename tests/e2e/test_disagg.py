@@ -1,4 +1,4 @@
-"""PD disaggregation end to end: router + prefill + decode processes over the tcp transport.
+"""PD disaggregation end to end: router + prefill + decode processes over each CPU KV transport.
 Reference: the greedy output of a collocated server on the same model."""
 import concurrent.futures as cf
 import time
@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import ENGINE_ARGS, KV_CONFIG, Proc, metric, wait_all_blocks_free
+from tests.e2e.conftest import ENGINE_ARGS, KV_CONFIG, TRANSPORTS, Proc, metric, wait_all_blocks_free
 from tests.ports import free_port
 
 PROMPTS = [f"Question: Tom has {n} apples and buys {n + 3} more. How many now?\nAnswer:" for n in range(12)]
@@ -39,7 +39,7 @@ def expected(model_dir, tmp_path_factory):
 
 
 def start_deployment(model_dir, log_dir, mode: str, num_prefill: int = 1, num_decode: int = 1,
-                     instance_timeout: float = 5.0, extra_args: tuple[str, ...] = ()):
+                     instance_timeout: float = 5.0, extra_args: tuple[str, ...] = (), transport: str = "tcp"):
     registry = free_port()
     router = Proc("router", ["--role", "router", "--registry-port", str(registry), "--kv-mode", mode,
                              "--instance-timeout", str(instance_timeout), "--request-timeout", "60"], log_dir)
@@ -49,7 +49,8 @@ def start_deployment(model_dir, log_dir, mode: str, num_prefill: int = 1, num_de
         for i in range(n):
             instances.append(Proc(f"{role}{i}", ["--role", role, "--model", str(model_dir), "--served-model-name",
                                                   "default", "--router-address", router_reg,
-                                                  "--kv-transfer-config", KV_CONFIG, *ENGINE_ARGS, *extra_args],
+                                                  "--kv-transfer-config", KV_CONFIG, "--kv-transport", transport,
+                                                  *ENGINE_ARGS, *extra_args],
                                   log_dir))
     for p in instances:
         p.wait_healthy()
@@ -61,11 +62,13 @@ def start_deployment(model_dir, log_dir, mode: str, num_prefill: int = 1, num_de
     return router, instances
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("mode,num_p,num_d,async_scheduling", [
     ("read", 1, 1, True), ("write", 1, 1, False), ("write", 2, 2, True)])
-def test_disagg_matches_collocated(model_dir, tmp_path, expected, mode, num_p, num_d, async_scheduling):
+def test_disagg_matches_collocated(model_dir, tmp_path, expected, mode, num_p, num_d, async_scheduling, transport):
     flag = "--async-scheduling" if async_scheduling else "--no-async-scheduling"
-    router, instances = start_deployment(model_dir, tmp_path, mode, num_p, num_d, extra_args=(flag,))
+    router, instances = start_deployment(model_dir, tmp_path, mode, num_p, num_d, extra_args=(flag,),
+                                         transport=transport)
     try:
         assert generate(router.url, PROMPTS) == expected
         decodes = [p for p in instances if p.name.startswith("decode")]
