@@ -19,7 +19,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-EXTRA_HINT = "install the 'nixl' extra: pip install -e '.[nixl]'"
+EXTRA_HINT = "install the 'nixl' extra: pip install -e '.[nixl]' (NIXL wheels exist for Linux x86_64 and aarch64)"
 
 
 def _import_nixl():
