@@ -59,6 +59,11 @@ class TandemConnector:
         self.targets: dict[str, DecodeBlocks] = {}  # prefill, write mode: transfer id -> decode's blocks
         self.awaiting_targets: dict[str, float] = {}  # prefill, write mode: request id -> deadline
         self.pushed_chunks: dict[str, int] = {}  # prefill, write mode: chunks pushed per request
+        # Decode, write mode, transports whose peers write our memory directly (ipc, mori, nixl): a
+        # receive that ended early keeps its blocks until prefill says its pushes are over (any
+        # TransferDone) or a timeout, so a late push cannot land in blocks handed to another request.
+        self.draining: dict[str, tuple[str, float]] = {}  # transfer id -> (request id, deadline)
+        self.peer_writes_memory = bool(getattr(self.transport, "peer_writes_memory", False))
         logger.info("KV connector %s (%s) listening at %s", self.engine_id, self.role, self.agent.address)
 
     @property
@@ -79,6 +84,9 @@ class TandemConnector:
                 if msg.transfer_id in self.receiving:
                     scatter_blocks(self.kv_cache, msg.block_ids, payload, msg.layer)
             elif isinstance(msg, TransferDone):
+                drained = self.draining.pop(msg.transfer_id, None)
+                if drained is not None:
+                    self.releasable.add(drained[0])
                 entry = self.receiving.pop(msg.transfer_id, None)
                 if entry is not None:
                     if msg.error:
@@ -177,6 +185,11 @@ class TandemConnector:
                 if now > deadline:
                     del self.receiving[tid]
                     self.failed[rid] = f"KV transfer timed out after {self.transfer_timeout_s:.0f} s"
+                    self._drain(tid, rid, now)
+            for tid, (rid, deadline) in list(self.draining.items()):
+                if now > deadline:
+                    del self.draining[tid]
+                    self.releasable.add(rid)
             for rid, deadline in list(self.awaiting_targets.items()):
                 if now > deadline:
                     del self.awaiting_targets[rid]
@@ -186,6 +199,11 @@ class TandemConnector:
             self.landed, self.failed, self.releasable = set(), {}, set()
         return out
 
+    def _drain(self, transfer_id: str, request_id: str, now: float) -> None:
+        """Under the lock: hold an unfinished receive's blocks while the peer may still write them."""
+        if self.peer_writes_memory:
+            self.draining[transfer_id] = (request_id, now + self.transfer_timeout_s)
+
     def on_request_finished(self, req: Request) -> tuple[bool, dict | None]:
         p = self._params(req)
         ok = req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
@@ -193,7 +211,11 @@ class TandemConnector:
             return self._producer_finished(req, p, ok)
         if p.get("do_remote_prefill"):
             with self.lock:
-                self.receiving.pop(p.get("transfer_id", ""), None)
+                tid = p.get("transfer_id", "")
+                if self.receiving.pop(tid, None) is not None:
+                    self._drain(tid, req.request_id, time.monotonic())
+                if tid in self.draining:
+                    return True, None
                 if req.request_id in self.reading:  # a pull is writing into these blocks right now
                     self.cancelled.add(req.request_id)
                     return True, None

@@ -14,6 +14,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 class IpcTransport:
     name = "ipc"
+    peer_writes_memory = True  # write mode: the prefill writes our KV cache directly
 
     def __init__(self, kv_cache: torch.Tensor):
         if not kv_cache.is_cuda:

@@ -20,6 +20,7 @@ def _import_mori():
 
 class MoriTransport:
     name = "mori"
+    peer_writes_memory = True  # write mode: the prefill writes our KV cache directly
 
     def __init__(self, kv_cache: torch.Tensor, agent, port: int = 0):
         mori_cpp, IOEngine = _import_mori()

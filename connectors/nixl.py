@@ -73,6 +73,7 @@ class NixlTransport:
     client thread); the NIXL agent runs its own progress thread."""
 
     name = "nixl"
+    peer_writes_memory = True  # write mode: the prefill writes our KV cache directly
 
     def __init__(self, kv_cache: torch.Tensor, agent_name: str, timeout_s: float = 30.0,
                  backends: tuple[str, ...] = ("UCX",)):

@@ -181,3 +181,35 @@ def test_write_mode_prefill_fails_when_decode_never_sends_blocks(model_dir):
         settle(prefill)
     finally:
         prefill.shutdown()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_write_mode_abort_keeps_blocks_while_prefill_may_write(model_dir, transport):
+    """A decode request aborted while its KV is arriving: with a transport that writes decode's
+    memory directly (nixl) its blocks stay held until prefill's TransferDone, so a late push cannot
+    land in blocks given to another request; with tcp they are freed at once."""
+    prefill = make(model_dir, "kv_producer", transport=transport)
+    decode = make(model_dir, "kv_consumer", transport=transport)
+    host, port = prefill.connector.address.rsplit(":", 1)
+    dhost, dport = decode.connector.address.rsplit(":", 1)
+    try:
+        decode.add_request(EngineRequest("d", PROMPTS[4], PARAMS, kv_transfer_params={
+            "do_remote_prefill": True, "mode": "write", "transfer_id": "t", "remote_host": host,
+            "remote_port": int(port)}))
+        deadline = time.time() + 30
+        while "t" not in prefill.connector.targets:  # decode allocated and said where to write
+            assert time.time() < deadline
+            decode.step()
+            time.sleep(0.01)
+        decode.abort_requests(["d"])
+        decode.step()
+        held = decode.blocks.num_blocks - decode.blocks.num_free_blocks
+        assert held > 0 if transport == "nixl" else held == 0
+        prefill.add_request(EngineRequest("p", PROMPTS[4], SamplingParams(max_tokens=1), kv_transfer_params={
+            "do_remote_decode": True, "mode": "write", "transfer_id": "t", "remote_host": dhost,
+            "remote_port": int(dport)}))
+        run_all(prefill, until=lambda o: finished(o, "p"))
+        settle(prefill, decode)  # prefill's TransferDone releases them, well before the 15 s timeout
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
