@@ -298,7 +298,11 @@ class TandemConnector:
         self.transport.write_layer(peer, transfer_id, layer, staged, remote)
 
     def _finish_push(self, peer: str, transfer_id: str) -> None:
-        self.transport.flush(peer)
+        try:
+            self.transport.flush(peer)
+        except (RuntimeError, ValueError) as e:  # a layer did not land: decode fails now, not at its timeout
+            self.agent.send(peer, TransferDone(transfer_id, error=str(e)))
+            return
         self.agent.send(peer, TransferDone(transfer_id))
 
     def close(self) -> None:

@@ -96,6 +96,7 @@ class NixlTransport:
                                                         self.num_blocks, self.device_id, self.mem_type))
         self.peers: dict[str, tuple[str, NixlPeerInfo]] = {}  # peer address -> (NIXL agent name, info)
         self.pending: dict[str, list[tuple[int, object]]] = {}  # peer address -> [(layer, xfer handle)]
+        self.failed: dict[str, Exception] = {}  # peer address -> first write that failed since the last flush
         logger.info("NIXL agent %s registered the KV cache (%s, %.1f MiB)", agent_name, self.mem_type,
                     kv_cache.numel() * kv_cache.element_size() / 2**20)
 
@@ -168,22 +169,26 @@ class NixlTransport:
         if event is not None:
             event.synchronize()
         pending = self.pending.setdefault(peer, [])
-        # A later chunk may rewrite a block an earlier chunk's push of this layer still carries: keep their order.
-        for entry in [e for e in pending if e[0] == layer]:
-            pending.remove(entry)
-            self._wait(peer, entry[1])
-        pending.append((layer, self._post("WRITE", peer, range(layer, layer + 1), local_blocks, remote_blocks)))
+        try:
+            # A later chunk may rewrite a block an earlier chunk's push of this layer still carries: keep their order.
+            for entry in [e for e in pending if e[0] == layer]:
+                pending.remove(entry)
+                self._wait(peer, entry[1])
+            pending.append((layer, self._post("WRITE", peer, range(layer, layer + 1), local_blocks, remote_blocks)))
+        except (RuntimeError, ValueError) as e:
+            self.failed.setdefault(peer, e)  # flush must not report a push with a missing layer as landed
+            raise
 
     def flush(self, peer: str) -> None:
-        """Return once every write to peer so far has landed in its memory (raises if one failed)."""
-        pending, error = self.pending.pop(peer, []), None
+        """Return once every write to peer so far has landed in its memory; raise if one failed."""
+        pending, error = self.pending.pop(peer, []), self.failed.pop(peer, None)
         for _, handle in pending:
             try:
                 self._wait(peer, handle)
             except RuntimeError as e:
                 error = error or e
         if error is not None:
-            raise error
+            raise RuntimeError(f"a NIXL write to {peer} failed: {error}") from error
 
     def close(self) -> None:
         for peer in list(self.pending):

@@ -84,6 +84,9 @@ def test_out_of_range_blocks_are_refused(pair):
         dst.read("src:1", "r1", [24], [0])  # src has 24 blocks
     with pytest.raises(ValueError, match="out of range"):
         src.write_layer("dst:1", "t2", 0, src.stage_layer(0, [0]), [32])
+    with pytest.raises(RuntimeError, match="out of range"):  # the push it belonged to has not landed
+        src.flush("dst:1")
+    src.flush("dst:1")  # reported once
 
 
 def test_missing_nixl_names_the_extra(monkeypatch):
