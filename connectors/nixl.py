@@ -5,7 +5,8 @@ Each transport owns one NIXL agent and registers its whole KV cache with it (VRA
 DRAM on CPU). `local_info()` carries the agent's metadata and the cache's base address; the
 peer loads it in `attach()`, so the existing ZMQ handshake is the only side channel.
 A transfer is one NIXL request over a descriptor list with one descriptor per
-(k|v, layer, run of consecutive blocks). Completion is NIXL's own request state: the UCX
+(k|v, layer, run of consecutive blocks); between ranks of different TP sizes (a RankPair's head
+slice) one per (k|v, layer, block, token slot), as heads are not contiguous in a block. Completion is NIXL's own request state: the UCX
 backend ends every request with an endpoint flush, so DONE means the data is in the peer's
 memory; the connector then signals over ZMQ as for every transport (TransferDone / FreeBlocks).
 NIXL notifications are not used.
@@ -39,6 +40,7 @@ class NixlPeerInfo(msgspec.Struct, frozen=True):
     num_blocks: int
     device_id: int
     mem_type: str  # "VRAM" | "DRAM"
+    num_kv_heads: int = 0  # this rank's heads (ranks of different TP sizes hold different counts)
 
 
 def block_runs(local: list[int], remote: list[int]) -> np.ndarray:
@@ -68,6 +70,21 @@ def region_descs(base: int, num_layers: int, num_blocks: int, block_bytes: int, 
     return out
 
 
+def head_descs(base: int, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_bytes: int,
+               device_id: int, layers: range, blocks: np.ndarray, head: int, num_heads: int) -> np.ndarray:
+    """[2 * len(layers) * len(blocks) * block_size, 3] descriptors of the heads head:head + num_heads
+    of every token slot of the blocks: a head slice of a [block_size, kv_heads, head_dim] block is
+    not contiguous, so ranks of different TP sizes move one region per token slot."""
+    kv = np.arange(2, dtype=np.int64)[:, None, None, None]
+    layer = np.asarray(layers, dtype=np.int64)[None, :, None, None]
+    block = np.asarray(blocks, dtype=np.int64)[None, None, :, None]
+    slot = np.arange(block_size, dtype=np.int64)[None, None, None, :]
+    first = ((((kv * num_layers + layer) * num_blocks + block) * block_size + slot) * num_kv_heads + head) * head_bytes
+    out = np.empty((first.size, 3), dtype=np.uint64)
+    out[:, 0], out[:, 1], out[:, 2] = first.reshape(-1) + base, num_heads * head_bytes, device_id
+    return out
+
+
 class NixlTransport:
     """KV blocks over NIXL. All calls but stage_layer come from one thread (the KV agent's
     client thread); the NIXL agent runs its own progress thread."""
@@ -82,7 +99,9 @@ class NixlTransport:
             raise ValueError("the nixl KV transport registers the KV cache as one region; it must be contiguous")
         self.kv_cache, self.timeout_s = kv_cache, timeout_s
         self.num_layers, self.num_blocks = kv_cache.shape[1], kv_cache.shape[2]
+        self.block_size, self.num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
         self.block_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
+        self.head_bytes = kv_cache.shape[5] * kv_cache.element_size()
         self.mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
         self.device_id = kv_cache.get_device() if kv_cache.is_cuda else 0
         self.nixl = nixl_agent(agent_name, nixl_agent_config(backends=list(backends)))
@@ -93,7 +112,8 @@ class NixlTransport:
         self.registration = self.nixl.register_memory(kv_cache)
         # Cached: local_info() is asked on the agent's server thread, the NIXL agent is not thread-safe.
         self.info = msgspec.msgpack.encode(NixlPeerInfo(self.nixl.get_agent_metadata(), kv_cache.data_ptr(),
-                                                        self.num_blocks, self.device_id, self.mem_type))
+                                                        self.num_blocks, self.device_id, self.mem_type,
+                                                        self.num_kv_heads))
         self.peers: dict[str, tuple[str, NixlPeerInfo]] = {}  # peer address -> (NIXL agent name, info)
         self.pending: dict[str, list[tuple[int, object]]] = {}  # peer address -> [(layer, xfer handle)]
         self.failed: dict[str, Exception] = {}  # peer address -> first write that failed since the last flush
@@ -112,21 +132,35 @@ class NixlTransport:
             self.nixl.remove_remote_agent(old[0])
         self.peers[peer] = (self.nixl.add_remote_agent(remote.agent_metadata), remote)
 
-    def _descs(self, peer: str, layers: range, local_blocks: list[int], remote_blocks: list[int]):
+    def _descs(self, peer: str, layers: range, local_blocks: list[int], remote_blocks: list[int],
+               heads: tuple[int, int, int] | None):
+        """heads: (local head, remote head, count) of a rank pair, or None for all heads of both."""
         name, remote = self.peers[peer]
         runs = block_runs(local_blocks, remote_blocks)
         if len(runs) and (runs[:, 0].min() < 0 or (runs[:, 0] + runs[:, 2]).max() > self.num_blocks
                           or runs[:, 1].min() < 0 or (runs[:, 1] + runs[:, 2]).max() > remote.num_blocks):
             raise ValueError(f"block ids out of range (local {self.num_blocks}, remote {remote.num_blocks} blocks)")
-        local = region_descs(self.kv_cache.data_ptr(), self.num_layers, self.num_blocks, self.block_bytes,
-                             self.device_id, layers, runs[:, 0], runs[:, 2])
-        far = region_descs(remote.base_address, self.num_layers, remote.num_blocks, self.block_bytes,
-                           remote.device_id, layers, runs[:, 1], runs[:, 2])
+        remote_heads = remote.num_kv_heads or self.num_kv_heads
+        if heads is None and remote_heads != self.num_kv_heads:
+            raise ValueError(f"KV heads differ ({self.num_kv_heads} here, {remote_heads} at {peer}): name a rank pair")
+        if heads is None or heads[2] == self.num_kv_heads == remote_heads:  # whole blocks, coalesced runs
+            local = region_descs(self.kv_cache.data_ptr(), self.num_layers, self.num_blocks, self.block_bytes,
+                                 self.device_id, layers, runs[:, 0], runs[:, 2])
+            far = region_descs(remote.base_address, self.num_layers, remote.num_blocks,
+                               self.block_size * remote_heads * self.head_bytes, remote.device_id, layers,
+                               runs[:, 1], runs[:, 2])
+        else:
+            local = head_descs(self.kv_cache.data_ptr(), self.num_layers, self.num_blocks, self.block_size,
+                               self.num_kv_heads, self.head_bytes, self.device_id, layers, local_blocks,
+                               heads[0], heads[2])
+            far = head_descs(remote.base_address, self.num_layers, remote.num_blocks, self.block_size, remote_heads,
+                             self.head_bytes, remote.device_id, layers, remote_blocks, heads[1], heads[2])
         return (name, self.nixl.get_xfer_descs(local, self.mem_type),
                 self.nixl.get_xfer_descs(far, remote.mem_type))
 
-    def _post(self, op: str, peer: str, layers: range, local_blocks: list[int], remote_blocks: list[int]):
-        name, local, remote = self._descs(peer, layers, local_blocks, remote_blocks)
+    def _post(self, op: str, peer: str, layers: range, local_blocks: list[int], remote_blocks: list[int],
+              heads: tuple[int, int, int] | None = None):
+        name, local, remote = self._descs(peer, layers, local_blocks, remote_blocks, heads)
         handle = self.nixl.initialize_xfer(op, local, remote, name)
         if self.nixl.transfer(handle) == "ERR":
             handle.release()
@@ -150,12 +184,15 @@ class NixlTransport:
         except Exception as e:  # an in-flight request NIXL cannot cancel; it is retried at agent teardown
             logger.warning("NIXL could not release a transfer request: %s", e)
 
-    def read(self, peer: str, request_id: str, remote_blocks: list[int], local_blocks: list[int]) -> None:
-        """Read mode: pull every layer of the peer's remote_blocks into our local_blocks; blocks until landed."""
+    def read(self, peer: str, request_id: str, remote_blocks: list[int], local_blocks: list[int],
+             pair=None) -> None:
+        """Read mode (we decode): pull every layer of the peer's remote_blocks into our local_blocks,
+        all heads or a RankPair's (src_head on the peer, dst_head here, num_heads); blocks until landed."""
         if remote_blocks:
-            self._wait(peer, self._post("READ", peer, range(self.num_layers), local_blocks, remote_blocks))
+            heads = None if pair is None else (pair.dst_head, pair.src_head, pair.num_heads)
+            self._wait(peer, self._post("READ", peer, range(self.num_layers), local_blocks, remote_blocks, heads))
 
-    def stage_layer(self, layer: int, local_blocks: list[int]):
+    def stage_layer(self, layer: int, local_blocks: list[int], pair=None):
         """Engine thread, right after the layer's KV store: an event the push waits for, not the model."""
         event = None
         if self.kv_cache.is_cuda:
@@ -163,9 +200,12 @@ class NixlTransport:
             event.record()
         return event, layer, local_blocks
 
-    def write_layer(self, peer: str, transfer_id: str, layer: int, staged, remote_blocks: list[int]) -> None:
-        """Write mode: post a WRITE of one layer of our blocks into the peer's; flush(peer) waits for it."""
+    def write_layer(self, peer: str, transfer_id: str, layer: int, staged, remote_blocks: list[int],
+                    pair=None) -> None:
+        """Write mode (we prefill): post a WRITE of one layer of our blocks (all heads or a RankPair's,
+        src_head here, dst_head on the peer) into the peer's; flush(peer) waits for it."""
         event, layer, local_blocks = staged
+        heads = None if pair is None else (pair.src_head, pair.dst_head, pair.num_heads)
         if event is not None:
             event.synchronize()
         pending = self.pending.setdefault(peer, [])
@@ -174,7 +214,8 @@ class NixlTransport:
             for entry in [e for e in pending if e[0] == layer]:
                 pending.remove(entry)
                 self._wait(peer, entry[1])
-            pending.append((layer, self._post("WRITE", peer, range(layer, layer + 1), local_blocks, remote_blocks)))
+            pending.append((layer, self._post("WRITE", peer, range(layer, layer + 1), local_blocks, remote_blocks,
+                                              heads)))
         except (RuntimeError, ValueError) as e:
             self.failed.setdefault(peer, e)  # flush must not report a push with a missing layer as landed
             raise

@@ -2,6 +2,7 @@
 blocks of a KV cache [2, layers, blocks, block_size, kv_heads, head_dim] by READ and by
 layer-wise WRITE. Reference: the source cache's blocks, compared bitwise."""
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -87,6 +88,36 @@ def test_out_of_range_blocks_are_refused(pair):
     with pytest.raises(RuntimeError, match="out of range"):  # the push it belonged to has not landed
         src.flush("dst:1")
     src.flush("dst:1")  # reported once
+
+
+def test_rank_pairs_move_head_slices_bitwise():
+    """Ranks of different TP sizes: prefill holds 4 KV heads, decode 2; a RankPair moves heads 2..3
+    of prefill into heads 0..1 of decode (read), and heads 0..1 back into heads 1..2 (write)."""
+    pytest.importorskip("nixl._api", reason="the nixl extra is not installed")
+    from tandem.connectors.nixl import NixlTransport
+
+    gen = torch.Generator().manual_seed(1)
+    src_cache = torch.randn(2, 2, 6, 4, 4, 8, generator=gen)  # [2, layers, blocks, block_size, 4 heads, dim]
+    dst_cache = torch.zeros(2, 2, 5, 4, 2, 8)
+    src, dst = NixlTransport(src_cache, "test-tp-src"), NixlTransport(dst_cache, "test-tp-dst")
+    try:
+        src.attach("dst:1", dst.local_info())
+        dst.attach("src:1", src.local_info())
+        dst.read("src:1", "r", [1, 2, 5], [4, 0, 1], SimpleNamespace(src_head=2, dst_head=0, num_heads=2))
+        assert torch.equal(dst_cache[:, :, [4, 0, 1]], src_cache[:, :, [1, 2, 5], :, 2:4])
+        before = dst_cache.clone()
+        src_cache.copy_(torch.randn(src_cache.shape, generator=gen))
+        pair = SimpleNamespace(src_head=1, dst_head=0, num_heads=2)
+        for layer in range(2):
+            src.write_layer("dst:1", "t", layer, src.stage_layer(layer, [3], pair), [0], pair)
+        src.flush("dst:1")
+        assert torch.equal(src_cache[:, :, 3, :, 1:3], dst_cache[:, :, 0])
+        assert torch.equal(dst_cache[:, :, 1:], before[:, :, 1:])  # no other block touched
+        with pytest.raises(ValueError, match="KV heads differ"):
+            dst.read("src:1", "r", [0], [0])
+    finally:
+        src.close()
+        dst.close()
 
 
 def test_missing_nixl_names_the_extra(monkeypatch):
