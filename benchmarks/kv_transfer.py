@@ -1,12 +1,18 @@
 """KV transfer bandwidth between two instances' caches over a transport, against the
 peer-copy ceiling measured in the same run (one large device-to-device copy between the
-two GPUs).
+two GPUs; a copy within the GPU when both instances share one).
 
 Two processes (prefill on --src-device, decode on --dst-device), each with a KV cache of a
 Llama-3-8B layout (32 layers, 8 kv heads, head dim 128, bf16, block 16 = 2 MiB a block),
-joined by the real KV agents. The decode side pulls N blocks (read mode) and times it.
+joined by the real KV agents. Read mode: the decode side pulls N blocks of all layers and
+times it. Write mode (ipc, nixl): this side pushes N blocks layer by layer, as a prefill
+does, and times until flush() says they landed.
 
   python -m benchmarks.kv_transfer --transport ipc --blocks 64 256 1024
+  python -m benchmarks.kv_transfer --transport nixl --src-device cuda:0 --dst-device cuda:0 --mode write
+
+Host transports also run between CPU caches (--src-device cpu --dst-device cpu; the ceiling
+is then a memcpy), e.g. to compare tcp and nixl over DRAM.
 """
 import argparse
 import json
@@ -34,8 +40,19 @@ def _agent(cache: torch.Tensor, transport: str, name: str):
     return agent
 
 
+def _set_device(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+
+
+def _sync(*devices: str) -> None:
+    for d in devices:
+        if d.startswith("cuda"):
+            torch.cuda.synchronize(d)
+
+
 def _prefill(transport: str, device: str, num_blocks: int, addr_q, stop_q) -> None:
-    torch.cuda.set_device(device)
+    _set_device(device)
     cache = _cache(num_blocks, device)
     agent = _agent(cache, transport, "prefill")
     addr_q.put(agent.address)
@@ -48,43 +65,59 @@ def peer_copy_gbps(src: str, dst: str, nbytes: int = 1 << 30) -> float:
     b = torch.empty(nbytes, dtype=torch.uint8, device=dst)
     for _ in range(3):
         b.copy_(a)
-    torch.cuda.synchronize(src), torch.cuda.synchronize(dst)
+    _sync(src, dst)
     t = time.perf_counter()
     for _ in range(10):
         b.copy_(a)
-    torch.cuda.synchronize(src), torch.cuda.synchronize(dst)
+    _sync(src, dst)
     return 10 * nbytes / (time.perf_counter() - t) / 1e9
+
+
+def _read(transport, peer: str, remote: list[int], local: list[int]) -> None:
+    transport.read(peer, "bench", remote, local)
+
+
+def _write(transport, peer: str, remote: list[int], local: list[int]) -> None:
+    for layer in range(LAYOUT["num_layers"]):
+        transport.write_layer(peer, "bench", layer, transport.stage_layer(layer, local), remote)
+    transport.flush(peer)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--transport", default="ipc", choices=["ipc", "tcp"])
+    ap.add_argument("--transport", default="ipc", choices=["ipc", "tcp", "nixl"])
+    ap.add_argument("--mode", default="read", choices=["read", "write"],
+                    help="read: pull all layers at once; write: push layer by layer, then flush (ipc, nixl)")
     ap.add_argument("--src-device", default="cuda:0")
     ap.add_argument("--dst-device", default="cuda:1")
     ap.add_argument("--blocks", type=int, nargs="+", default=[16, 64, 256, 1024])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None, help="write results as JSON here")
     args = ap.parse_args()
+    if args.mode == "write" and args.transport == "tcp":
+        ap.error("--mode write needs a transport whose flush() waits for delivery (ipc, nixl)")
     num_blocks = max(args.blocks) + 8
     ctx = mp.get_context("spawn")
     addr_q, stop_q = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_prefill, args=(args.transport, args.src_device, num_blocks, addr_q, stop_q))
     proc.start()
     peer = addr_q.get(timeout=120)
-    torch.cuda.set_device(args.dst_device)
+    _set_device(args.dst_device)
     cache = _cache(num_blocks, args.dst_device)
     agent = _agent(cache, args.transport, "decode")
     agent.session(peer)
-    ceiling = peer_copy_gbps(args.src_device, args.dst_device)
+    cpu = "cpu" in (args.src_device, args.dst_device)
+    ceiling = peer_copy_gbps(args.src_device, args.dst_device, 1 << (28 if cpu else 30))
     block_bytes = cache[:, :, 0].numel() * cache.element_size()
     rows = []
     for n in args.blocks:
         ids = list(range(n))
-        agent.transport.read(peer, "bench", ids, ids)  # warm-up
+        move = _read if args.mode == "read" else _write
+        move(agent.transport, peer, ids, ids)  # warm-up
         times = []
         for _ in range(args.repeats):
             t = time.perf_counter()
-            agent.transport.read(peer, "bench", ids, ids[::-1])
+            move(agent.transport, peer, ids, ids[::-1])
             times.append(time.perf_counter() - t)
         med = sorted(times)[len(times) // 2]
         gbps = n * block_bytes / med / 1e9
@@ -92,8 +125,8 @@ def main() -> None:
     stop_q.put(None)
     proc.join(30)
     agent.close()
-    print(f"transport={args.transport} {args.src_device}->{args.dst_device} peer-copy ceiling {ceiling:.1f} GB/s "
-          f"(one way, 1 GiB copy, same run); block = {block_bytes / 2**20:.1f} MiB (8B layout, bf16)")
+    print(f"transport={args.transport} mode={args.mode} {args.src_device}->{args.dst_device} "
+          f"peer-copy ceiling {ceiling:.1f} GB/s (one way, {'256 MiB' if cpu else '1 GiB'} copy, same run); block = {block_bytes / 2**20:.1f} MiB (8B layout, bf16)")
     print(f"{'blocks':>7} {'MiB':>8} {'ms':>8} {'GB/s':>8} {'of ceiling':>10}")
     for r in rows:
         print(f"{r['blocks']:>7} {r['mib']:>8.0f} {r['ms']:>8.2f} {r['gbps']:>8.1f} {r['of_ceiling']:>10.0%}")

@@ -27,6 +27,7 @@ from tandem.connectors.params import KVTransferParams
 from tandem.connectors.protocol import (AbortTransfer, DecodeBlocks, FinishOp, FirstToken, FreeBlocks, Hello,
                                         HelloReply, KVStepMeta, PeerGone, PushOp, RankDone, ReadOp, TransferDone)
 from tandem.connectors.transfer import Transfer, TransferState as S, TransferTable
+from tandem.connectors.transport import peer_writes_memory
 from tandem.engine.config import KVTransferConfig
 from tandem.engine.request import Request, RequestStatus
 
@@ -190,6 +191,8 @@ class TandemConnector:
                      peer=p.peer)
         if p.mode == "write":
             t.local_blocks = [-1] * first + req.block_ids[first:last]
+            if peer_writes_memory(self.transport):  # ended early: keep the blocks until prefill's pushes end
+                t.drain_s = self.transfer_timeout_s
         else:
             t.local_blocks, t.remote_blocks = req.block_ids[first:last], p.remote_block_ids[first:last]
         with self.lock:
@@ -277,6 +280,9 @@ class TandemConnector:
         with self.lock:
             for t in self.table.expire():
                 logger.warning("KV transfer of %s: %s", t.request_id, t.error)
+                if t.side == "decode" and t.mode == "write" and t.peer and t.pending:
+                    peer, msg = t.peer, AbortTransfer(t.transfer_id)  # prefill's ranks end their pushes
+                    self.agent.submit(lambda peer=peer, msg=msg: self._send_quietly(peer, msg))
             for t in list(self.table.transfers.values()):
                 self._after_end(t)
                 if not t.settled:

@@ -8,6 +8,9 @@
 Every live state may also end FAILED, TIMED_OUT (its deadline passed) or ABORTED. Besides its
 state a transfer knows which rank pairs still move data (`pending`): its blocks may be freed
 once it is terminal and no rank still touches them (`settled`), or once its deadline passes.
+A transfer with `drain_s` (decode, write mode, a transport whose peer writes our memory) that
+ends early with ranks still pending waits up to drain_s more for them: a late push into freed
+blocks would land in another request's KV.
 """
 import enum
 import time
@@ -80,6 +83,7 @@ class Transfer:
     pushed_chunks: int = 0  # prefill, write: chunks already pushed
     told_peer: bool = False  # decode, read: the prefill was told to free its blocks
     first_token: tuple[int, list | None] | None = None  # decode: the prefill's first output token (and logprobs)
+    drain_s: float = 0.0  # ended early with ranks pending: wait this much longer for them (see module doc)
 
     @property
     def transfer_id(self) -> str | None:
@@ -149,6 +153,9 @@ class TransferTable:
         blocks any more (the peer is gone, or nothing was ever moved)."""
         if not t.state.terminal:
             self.move(t, state, error)
+            if t.drain_s and t.pending and not quiet:
+                t.deadline = max(t.deadline, self.clock() + t.drain_s)
+                t.drain_s = 0.0
         if quiet:
             t.pending.clear()
 
@@ -161,5 +168,8 @@ class TransferTable:
             if not t.state.terminal:
                 self.move(t, S.TIMED_OUT, _TIMEOUT_ERRORS[t.state])
                 out.append(t)
+                if t.drain_s and t.pending:
+                    t.deadline, t.drain_s = now + t.drain_s, 0.0
+                    continue
             t.pending.clear()
         return out

@@ -54,8 +54,20 @@ class TcpTransport:
         pass
 
 
+# Transports whose prefill rank writes the decode rank's KV memory itself (write mode): a push that
+# arrives after its transfer ended cannot be dropped on arrival as tcp's is, so the decode side keeps
+# such a transfer's blocks until the prefill says its pushes are over (or a further timeout).
+_PEER_WRITES_MEMORY = frozenset({"ipc", "mori", "nixl"})
+
+
+def peer_writes_memory(name: str) -> bool:
+    """Whether transport `name` lets the prefill write the decode's KV cache directly."""
+    return name in _PEER_WRITES_MEMORY
+
+
 def make_transport(name: str, kv_cache: torch.Tensor, agent):
-    """agent: the rank's KVAgent (tcp and mori talk through it)."""
+    """agent: the rank's data KVAgent (tcp and mori talk through it; its name, unique per engine
+    and rank, names the NIXL agent and MoRI's IOEngine; its timeout bounds NIXL's waits)."""
     if name == "tcp":
         return TcpTransport(kv_cache, agent)
     if name == "ipc":
@@ -64,4 +76,7 @@ def make_transport(name: str, kv_cache: torch.Tensor, agent):
     if name == "mori":
         from tandem.connectors.mori import MoriTransport
         return MoriTransport(kv_cache, agent)
-    raise ValueError(f"unknown KV transport {name!r}; expected tcp, ipc or mori")
+    if name == "nixl":
+        from tandem.connectors.nixl import NixlTransport
+        return NixlTransport(kv_cache, agent.name, agent.timeout_ms / 1000)
+    raise ValueError(f"unknown KV transport {name!r}; expected tcp, ipc, mori or nixl")

@@ -136,6 +136,9 @@ class KVConnectorWorker:
         try:
             if peer in self.agent.hellos:
                 self.transport.flush(peer)
+        except Exception as e:  # a push did not land: decode must not take the blocks as filled
+            error = error or f"KV push to {peer} failed: {e}"
+        try:
             self.agent.send(peer, WriteDone(transfer_id, pair, error))
         except Exception as e:  # the pair is over either way; say why on our side
             error = error or f"KV push to {peer} failed: {e}"

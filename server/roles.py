@@ -28,8 +28,9 @@ def add_pd_args(parser: argparse.ArgumentParser) -> None:
                    help="prefill/decode: the router's registry (host:port) to register with")
     g.add_argument("--advertise-host", default="127.0.0.1",
                    help="prefill/decode: the address the router and peers use to reach this instance")
-    g.add_argument("--kv-transport", choices=["tcp", "ipc", "mori"], default="tcp",
-                   help="prefill/decode/disagg: how KV blocks move (ipc: GPUs of one node; mori: ROCm RDMA)")
+    g.add_argument("--kv-transport", choices=["tcp", "ipc", "mori", "nixl"], default="tcp",
+                   help="prefill/decode/disagg: how KV blocks move (ipc: GPUs of one node; nixl: NVIDIA RDMA "
+                        "across nodes; mori: ROCm RDMA)")
     g.add_argument("--kv-port", type=int, default=0, help="prefill/decode: KV handshake port (0: a free one)")
     g.add_argument("--num-prefill", type=int, default=1, help="disagg: prefill instances")
     g.add_argument("--num-decode", type=int, default=1, help="disagg: decode instances")

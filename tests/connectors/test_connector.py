@@ -1,5 +1,6 @@
 """Two engines in one process joined by the real TandemConnector over the tcp transport.
 Reference: a collocated engine's greedy output on the same model."""
+import importlib.util
 import time
 import uuid
 
@@ -12,6 +13,9 @@ from tandem.engine.protocol import EngineRequest
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPTS = [list(range(10, 10 + n)) for n in (1, 5, 17, 33, 40)]
+# Host transports (no GPU needed); nixl runs over DRAM with UCX when the nixl extra is installed.
+TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(
+    importlib.util.find_spec("nixl") is None, reason="the nixl extra is not installed"))]
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +74,10 @@ def settle(*cores):
         time.sleep(0.01)
 
 
-def test_read_mode_matches_collocated(model_dir, expected):
-    prefill, decode = make(model_dir, "kv_producer"), make(model_dir, "kv_consumer")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_read_mode_matches_collocated(model_dir, expected, transport):
+    prefill = make(model_dir, "kv_producer", transport=transport)
+    decode = make(model_dir, "kv_consumer", transport=transport)
     try:
         for i, p in enumerate(PROMPTS):
             prefill.add_request(EngineRequest(f"p{i}", p, SamplingParams(max_tokens=1, temperature=0),
@@ -93,8 +99,10 @@ def test_read_mode_matches_collocated(model_dir, expected):
         decode.shutdown()
 
 
-def test_write_mode_matches_collocated(model_dir, expected):
-    prefill, decode = make(model_dir, "kv_producer"), make(model_dir, "kv_consumer")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_write_mode_matches_collocated(model_dir, expected, transport):
+    prefill = make(model_dir, "kv_producer", transport=transport)
+    decode = make(model_dir, "kv_consumer", transport=transport)
     host, port = prefill.connector.address.rsplit(":", 1)
     dhost, dport = decode.connector.address.rsplit(":", 1)
     try:
@@ -227,3 +235,36 @@ def test_prefill_frees_at_once_when_the_router_drops_the_decode(model_dir):
         router.close(0)
         hung.close(0)
         ctx.term()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_write_mode_abort_keeps_blocks_while_prefill_may_write(model_dir, transport):
+    """A decode request aborted while its KV is arriving keeps its blocks until the prefill says
+    its pushes are over (here: TransferDone, as the abort reaches it before it starts), so a late
+    push (nixl writes decode's memory directly) cannot land in blocks given to another request."""
+    prefill = make(model_dir, "kv_producer", transport=transport)
+    decode = make(model_dir, "kv_consumer", transport=transport)
+    host, port = prefill.connector.address.rsplit(":", 1)
+    dhost, dport = decode.connector.address.rsplit(":", 1)
+    try:
+        decode.add_request(EngineRequest("d", PROMPTS[4], PARAMS, kv_transfer_params={
+            "do_remote_prefill": True, "mode": "write", "transfer_id": "t", "remote_host": host,
+            "remote_port": int(port)}))
+        deadline = time.time() + 30
+        while "t" not in prefill.connector.inbox:  # decode allocated and said where to write
+            assert time.time() < deadline
+            decode.step()
+            time.sleep(0.01)
+        decode.abort_requests(["d"])
+        decode.step()
+        held = decode.blocks.num_blocks - decode.blocks.num_free_blocks
+        assert held > 0
+        prefill.add_request(EngineRequest("p", PROMPTS[4], SamplingParams(max_tokens=1, temperature=0),
+                                          kv_transfer_params={
+            "do_remote_decode": True, "mode": "write", "transfer_id": "t", "remote_host": dhost,
+            "remote_port": int(dport)}))
+        run_all(prefill, until=lambda o: finished(o, "p"))
+        settle(prefill, decode)  # prefill's TransferDone releases them, well before the 15 s timeout
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

@@ -1,6 +1,8 @@
-"""PD over the ipc transport: prefill on GPU 0 (a child process), decode on GPU 1 (this process),
-in read and write mode. Reference: a collocated engine's greedy output on GPU 1 (same kernels,
+"""PD between GPU KV caches: prefill in a child process, decode in this one, in read and write
+mode, over ipc (GPU 0 -> GPU 1) and nixl (VRAM over UCX: both on GPU 0, and GPU 0 -> GPU 1 when
+there are two). Reference: a collocated engine's greedy output on the decode GPU (same kernels,
 same shapes, so the same tokens)."""
+import importlib.util
 import multiprocessing as mp
 import queue
 import time
@@ -17,13 +19,16 @@ pytestmark = pytest.mark.gpu
 PROMPTS = [f"Question: Sam has {n} marbles and finds {2 * n + 1} more. How many does he have?\nAnswer:"
            for n in range(8)]
 PARAMS = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-KV = lambda role: dict(kv_connector="TandemConnector", kv_role=role, kv_connector_extra_config={  # noqa: E731
-    "transport": "ipc", "transfer_timeout_s": 60, "hold_timeout_s": 60})
+KV = lambda role, transport: dict(kv_connector="TandemConnector", kv_role=role,  # noqa: E731
+                                  kv_connector_extra_config={"transport": transport, "transfer_timeout_s": 60,
+                                                             "hold_timeout_s": 60})
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+NIXL = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="the nixl extra is not installed")
 
 
-def _prefill_main(inbox, outbox, async_scheduling) -> None:
-    core = LLM(DEFAULT_MODEL_DIR, device="cuda:0", dtype="float32", num_gpu_blocks_override=512,
-               async_scheduling=async_scheduling, **KV("kv_producer")).engine
+def _prefill_main(inbox, outbox, async_scheduling, transport, device) -> None:
+    core = LLM(DEFAULT_MODEL_DIR, device=device, dtype="float32", num_gpu_blocks_override=512,
+               async_scheduling=async_scheduling, **KV("kv_producer", transport)).engine
     outbox.put(("address", core.connector.address))
     while True:
         try:
@@ -38,20 +43,24 @@ def _prefill_main(inbox, outbox, async_scheduling) -> None:
     core.shutdown()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("transport,src,dst", [
+    pytest.param("ipc", "cuda:0", "cuda:1", marks=TWO_GPUS),
+    pytest.param("nixl", "cuda:0", "cuda:0", marks=NIXL),
+    pytest.param("nixl", "cuda:0", "cuda:1", marks=[NIXL, TWO_GPUS])])
 @pytest.mark.parametrize("async_scheduling", [True, False])
 @pytest.mark.parametrize("mode", ["read", "write"])
-def test_ipc_pd_matches_collocated(mode, async_scheduling):
-    ref_llm = LLM(DEFAULT_MODEL_DIR, device="cuda:1", dtype="float32", num_gpu_blocks_override=512)
+def test_gpu_pd_matches_collocated(mode, async_scheduling, transport, src, dst):
+    ref_llm = LLM(DEFAULT_MODEL_DIR, device=dst, dtype="float32", num_gpu_blocks_override=512)
     ids = [ref_llm.tokenizer.encode(p) for p in PROMPTS]
     expected = [o.token_ids for o in ref_llm.generate(ids, PARAMS)]
     del ref_llm
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_prefill_main, args=(inbox, outbox, async_scheduling), daemon=True)
+    proc = ctx.Process(target=_prefill_main, args=(inbox, outbox, async_scheduling, transport, src),
+                       daemon=True)
     proc.start()
-    decode = LLM(DEFAULT_MODEL_DIR, device="cuda:1", dtype="float32", num_gpu_blocks_override=512,
-                 async_scheduling=async_scheduling, **KV("kv_consumer")).engine
+    decode = LLM(DEFAULT_MODEL_DIR, device=dst, dtype="float32", num_gpu_blocks_override=512,
+                 async_scheduling=async_scheduling, **KV("kv_consumer", transport)).engine
     assert decode.async_scheduling == async_scheduling
     try:
         _, p_addr = outbox.get(timeout=300)

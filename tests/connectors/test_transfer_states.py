@@ -84,6 +84,35 @@ def test_abort_while_transferring_keeps_blocks_until_ranks_are_quiet_or_deadline
     assert t.state == S.ABORTED and t.settled  # the deadline frees them all the same
 
 
+@pytest.mark.parametrize("end", ["abort", "timeout"])
+def test_drain_keeps_blocks_past_an_early_end_while_the_peer_may_write(end):
+    """drain_s (transports whose peer writes our memory): after an abort near the deadline, or a
+    timeout, the blocks stay held drain_s longer unless every rank pair reports first."""
+    table, t, clock = make(S.READY)
+    t.drain_s = 10
+    table.start_moving(t, PAIRS, 5)
+    clock.now = 4.5 if end == "abort" else 6
+    if end == "abort":
+        table.end(t, S.ABORTED)
+    else:
+        assert table.expire() == [t] and t.state == S.TIMED_OUT
+    assert not t.settled
+    clock.now = 10
+    table.expire()
+    assert not t.settled  # past the transfer deadline, inside the drain window
+    table.pair_done(t, PAIRS[0], None)
+    table.pair_done(t, PAIRS[1], "aborted")
+    assert t.settled and t.state != S.DONE
+    table2, t2, clock2 = make(S.READY)
+    t2.drain_s = 10
+    table2.start_moving(t2, PAIRS, 5)
+    clock2.now = 6
+    table2.expire()
+    clock2.now = 17
+    table2.expire()
+    assert t2.settled  # the drain window passed: freed all the same
+
+
 def test_peer_gone_ends_quietly():
     table, t, _ = make(S.READY)
     table.start_moving(t, PAIRS, 5)

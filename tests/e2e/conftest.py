@@ -1,5 +1,7 @@
-"""Multi-process PD deployments on CPU over the tcp transport: a router, prefill and decode
-instances as real `python -m tandem.server` processes on free loopback ports."""
+"""Multi-process PD deployments on CPU over host transports (tcp; nixl over DRAM with UCX when
+the nixl extra is installed): a router, prefill and decode instances as real
+`python -m tandem.server` processes on free loopback ports."""
+import importlib.util
 import time
 from pathlib import Path
 
@@ -13,6 +15,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DATA = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 ENGINE_ARGS = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "96",
                "--block-size", "8", "--max-num-seqs", "16", "--max-num-batched-tokens", "64"]
+# The KV transports a CPU deployment can use; every PD test runs over each.
+TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(
+    importlib.util.find_spec("nixl") is None, reason="the nixl extra is not installed"))]
 KV_CONFIG = '{"kv_connector_extra_config": {"transfer_timeout_s": 4, "hold_timeout_s": 4}}'
 
 

@@ -1,6 +1,7 @@
-"""PD disaggregation end to end: router + prefill + decode processes over the tcp transport.
-Reference: the output of a collocated server on the same model: greedy text under load, and,
-one request at a time, the very same top_logprobs (float equality), greedy and seeded sampling."""
+"""PD disaggregation end to end: router + prefill + decode processes over each CPU KV transport
+(tcp; nixl when its extra is installed). Reference: the output of a collocated server on the same
+model: greedy text under load, and, one request at a time, the very same top_logprobs (float
+equality), greedy and seeded sampling."""
 import concurrent.futures as cf
 import time
 
@@ -8,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import ENGINE_ARGS, KV_CONFIG, Proc, metric, wait_all_blocks_free
+from tests.e2e.conftest import ENGINE_ARGS, KV_CONFIG, TRANSPORTS, Proc, metric, wait_all_blocks_free
 from tests.ports import free_port
 
 PROMPTS = [f"Question: Tom has {n} apples and buys {n + 3} more. How many now?\nAnswer:" for n in range(12)]
@@ -74,7 +75,7 @@ def expected(model_dir, tmp_path_factory):
 
 
 def start_deployment(model_dir, log_dir, mode: str, num_prefill: int = 1, num_decode: int = 1,
-                     instance_timeout: float = 5.0, extra_args: tuple[str, ...] = ()):
+                     instance_timeout: float = 5.0, extra_args: tuple[str, ...] = (), transport: str = "tcp"):
     registry = free_port()
     router = Proc("router", ["--role", "router", "--registry-port", str(registry), "--kv-mode", mode,
                              "--instance-timeout", str(instance_timeout), "--request-timeout", "60"], log_dir)
@@ -84,7 +85,8 @@ def start_deployment(model_dir, log_dir, mode: str, num_prefill: int = 1, num_de
         for i in range(n):
             instances.append(Proc(f"{role}{i}", ["--role", role, "--model", str(model_dir), "--served-model-name",
                                                   "default", "--router-address", router_reg,
-                                                  "--kv-transfer-config", KV_CONFIG, *ENGINE_ARGS, *extra_args],
+                                                  "--kv-transfer-config", KV_CONFIG, "--kv-transport", transport,
+                                                  *ENGINE_ARGS, *extra_args],
                                   log_dir))
     for p in instances:
         p.wait_healthy()
@@ -96,11 +98,13 @@ def start_deployment(model_dir, log_dir, mode: str, num_prefill: int = 1, num_de
     return router, instances
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("mode,num_p,num_d,async_scheduling", [
     ("read", 1, 1, True), ("write", 1, 1, False), ("write", 2, 2, True)])
-def test_disagg_matches_collocated(model_dir, tmp_path, expected, mode, num_p, num_d, async_scheduling):
+def test_disagg_matches_collocated(model_dir, tmp_path, expected, mode, num_p, num_d, async_scheduling, transport):
     flag = "--async-scheduling" if async_scheduling else "--no-async-scheduling"
-    router, instances = start_deployment(model_dir, tmp_path, mode, num_p, num_d, extra_args=(flag,))
+    router, instances = start_deployment(model_dir, tmp_path, mode, num_p, num_d, extra_args=(flag,),
+                                         transport=transport)
     expected_texts, expected_exact = expected
     try:
         if num_p == num_d == 1:  # (more instances: their prefix caches hit differently than collocated's)

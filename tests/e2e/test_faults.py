@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from tests.e2e.test_disagg import start_deployment
-from tests.e2e.conftest import metric, wait_all_blocks_free
+from tests.e2e.conftest import TRANSPORTS, metric, wait_all_blocks_free
 
 LONG = "Question: " + " ".join(f"item {i} costs {i} dollars." for i in range(6)) + "\nAnswer:"
 
@@ -18,8 +18,9 @@ def _complete(url: str, **kw):
     return client.completions.create(model="default", prompt=LONG, temperature=0, **kw)
 
 
-def test_killed_decode_gives_client_error_and_prefill_frees(model_dir, tmp_path):
-    router, (prefill, decode) = start_deployment(model_dir, tmp_path, "read", instance_timeout=2)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_killed_decode_gives_client_error_and_prefill_frees(model_dir, tmp_path, transport):
+    router, (prefill, decode) = start_deployment(model_dir, tmp_path, "read", instance_timeout=2, transport=transport)
     try:
         errors = []
 
@@ -53,10 +54,12 @@ def test_killed_decode_gives_client_error_and_prefill_frees(model_dir, tmp_path)
             p.stop()
 
 
-def test_killed_prefill_times_out_on_decode_without_leak(model_dir, tmp_path):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_killed_prefill_times_out_on_decode_without_leak(model_dir, tmp_path, transport):
     """Write mode: prefill dies before pushing; decode's transfer times out (4 s), the client
     gets an error and decode's blocks are all free again."""
-    router, (prefill, decode) = start_deployment(model_dir, tmp_path, "write", instance_timeout=30)
+    router, (prefill, decode) = start_deployment(model_dir, tmp_path, "write", instance_timeout=30,
+                                                 transport=transport)
     try:
         prefill.proc.send_signal(19)  # SIGSTOP: alive for the router, silent for the transfer
         start = time.monotonic()
@@ -71,8 +74,9 @@ def test_killed_prefill_times_out_on_decode_without_leak(model_dir, tmp_path):
             p.stop()
 
 
-def test_client_abort_reaches_both_instances(model_dir, tmp_path):
-    router, (prefill, decode) = start_deployment(model_dir, tmp_path, "write")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_client_abort_reaches_both_instances(model_dir, tmp_path, transport):
+    router, (prefill, decode) = start_deployment(model_dir, tmp_path, "write", transport=transport)
     try:
         body = {"model": "default", "prompt": LONG, "max_tokens": 150, "temperature": 0, "stream": True,
                 "ignore_eos": True}

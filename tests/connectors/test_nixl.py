@@ -1,0 +1,128 @@
+"""The nixl transport on CPU (NIXL over DRAM, UCX backend): two transports in one process move
+blocks of a KV cache [2, layers, blocks, block_size, kv_heads, head_dim] by READ and by
+layer-wise WRITE. Reference: the source cache's blocks, compared bitwise."""
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.connectors.nixl import block_runs, region_descs
+
+SHAPE = (2, 3, 24, 4, 2, 8)  # [2, layers, blocks, block_size, kv_heads, head_dim]
+
+
+def test_block_runs_coalesce_only_where_both_sides_are_consecutive():
+    runs = block_runs([3, 4, 5, 9, 10, 2], [7, 8, 1, 2, 3, 4])
+    assert runs.tolist() == [[3, 7, 2], [5, 1, 1], [9, 2, 2], [2, 4, 1]]
+    assert block_runs([], []).shape == (0, 3)
+    with pytest.raises(ValueError):
+        block_runs([1], [1, 2])
+
+
+def test_region_descs_address_the_blocks_of_each_kv_and_layer():
+    cache = torch.arange(torch.Size(SHAPE).numel(), dtype=torch.float32).view(SHAPE)
+    bb = cache[0, 0, 0].numel() * cache.element_size()
+    descs = region_descs(cache.data_ptr(), SHAPE[1], SHAPE[2], bb, 0, range(1, 3), np.array([5, 20]), np.array([3, 1]))
+    expected = [(cache[kv, layer, s].data_ptr(), n * bb) for kv in (0, 1) for layer in (1, 2) for s, n in ((5, 3), (20, 1))]
+    assert [(int(a), int(n)) for a, n, _ in descs] == expected
+
+
+@pytest.fixture(scope="module")
+def pair():
+    pytest.importorskip("nixl._api", reason="the nixl extra is not installed")
+    from tandem.connectors.nixl import NixlTransport
+
+    gen = torch.Generator().manual_seed(0)
+    src_cache = torch.randn(SHAPE, generator=gen).to(torch.bfloat16)
+    dst_cache = torch.zeros(SHAPE[:2] + (SHAPE[2] + 8,) + SHAPE[3:], dtype=torch.bfloat16)  # more blocks than src
+    src, dst = NixlTransport(src_cache, "test-src", timeout_s=10), NixlTransport(dst_cache, "test-dst", timeout_s=10)
+    src.attach("dst:1", dst.local_info())
+    dst.attach("src:1", src.local_info())
+    yield src, dst
+    src.close()
+    dst.close()
+
+
+def test_read_pulls_blocks_bitwise(pair):
+    src, dst = pair
+    dst.kv_cache.zero_()
+    remote, local = [0, 1, 2, 7, 11, 12, 23], [30, 31, 4, 5, 6, 19, 0]
+    dst.read("src:1", "r0", remote, local)
+    assert torch.equal(dst.kv_cache[:, :, local].view(torch.int16), src.kv_cache[:, :, remote].view(torch.int16))
+    untouched = [b for b in range(dst.kv_cache.shape[2]) if b not in local]
+    assert not dst.kv_cache[:, :, untouched].any()
+
+
+def test_write_pushes_each_layer_bitwise(pair):
+    src, dst = pair
+    dst.kv_cache.zero_()
+    local, remote = [3, 4, 5, 6, 20], [10, 11, 12, 2, 31]
+    for layer in range(src.num_layers):
+        src.write_layer("dst:1", "t0", layer, src.stage_layer(layer, local), remote)
+    src.flush("dst:1")
+    assert not src.pending
+    assert torch.equal(dst.kv_cache[:, :, remote].view(torch.int16), src.kv_cache[:, :, local].view(torch.int16))
+
+
+def test_rewriting_a_block_of_a_layer_lands_last(pair):
+    """Chunked prefill pushes a partial block again once it is full: the later push must win."""
+    src, dst = pair
+    dst.kv_cache.zero_()
+    saved = src.kv_cache[:, :, 8].clone()
+    src.kv_cache[:, :, 8] = 0
+    src.write_layer("dst:1", "t1", 0, src.stage_layer(0, [8]), [9])
+    src.kv_cache[:, :, 8] = saved
+    src.write_layer("dst:1", "t1", 0, src.stage_layer(0, [8]), [9])
+    src.flush("dst:1")
+    assert torch.equal(dst.kv_cache[:, 0, 9].view(torch.int16), saved[:, 0].view(torch.int16))
+
+
+def test_out_of_range_blocks_are_refused(pair):
+    src, dst = pair
+    with pytest.raises(ValueError, match="out of range"):
+        dst.read("src:1", "r1", [24], [0])  # src has 24 blocks
+    with pytest.raises(ValueError, match="out of range"):
+        src.write_layer("dst:1", "t2", 0, src.stage_layer(0, [0]), [32])
+    with pytest.raises(RuntimeError, match="out of range"):  # the push it belonged to has not landed
+        src.flush("dst:1")
+    src.flush("dst:1")  # reported once
+
+
+def test_rank_pairs_move_head_slices_bitwise():
+    """Ranks of different TP sizes: prefill holds 4 KV heads, decode 2; a RankPair moves heads 2..3
+    of prefill into heads 0..1 of decode (read), and heads 0..1 back into heads 1..2 (write)."""
+    pytest.importorskip("nixl._api", reason="the nixl extra is not installed")
+    from tandem.connectors.nixl import NixlTransport
+
+    gen = torch.Generator().manual_seed(1)
+    src_cache = torch.randn(2, 2, 6, 4, 4, 8, generator=gen)  # [2, layers, blocks, block_size, 4 heads, dim]
+    dst_cache = torch.zeros(2, 2, 5, 4, 2, 8)
+    src, dst = NixlTransport(src_cache, "test-tp-src"), NixlTransport(dst_cache, "test-tp-dst")
+    try:
+        src.attach("dst:1", dst.local_info())
+        dst.attach("src:1", src.local_info())
+        dst.read("src:1", "r", [1, 2, 5], [4, 0, 1], SimpleNamespace(src_head=2, dst_head=0, num_heads=2))
+        assert torch.equal(dst_cache[:, :, [4, 0, 1]], src_cache[:, :, [1, 2, 5], :, 2:4])
+        before = dst_cache.clone()
+        src_cache.copy_(torch.randn(src_cache.shape, generator=gen))
+        pair = SimpleNamespace(src_head=1, dst_head=0, num_heads=2)
+        for layer in range(2):
+            src.write_layer("dst:1", "t", layer, src.stage_layer(layer, [3], pair), [0], pair)
+        src.flush("dst:1")
+        assert torch.equal(src_cache[:, :, 3, :, 1:3], dst_cache[:, :, 0])
+        assert torch.equal(dst_cache[:, :, 1:], before[:, :, 1:])  # no other block touched
+        with pytest.raises(ValueError, match="KV heads differ"):
+            dst.read("src:1", "r", [0], [0])
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_missing_nixl_names_the_extra(monkeypatch):
+    from tandem.connectors.nixl import NixlTransport
+
+    monkeypatch.setitem(sys.modules, "nixl._api", None)  # makes the import fail
+    with pytest.raises(ValueError, match=r"pip install -e '\.\[nixl\]'"):
+        NixlTransport(torch.zeros(SHAPE), "test-missing")
