@@ -16,16 +16,27 @@ DEFAULT_MODEL_DIR = str(Path(__file__).parent / "default_model")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = DEFAULT_MODEL_DIR
-    tokenizer: str | None = None  # defaults to the model folder
+    model: str = field(default=DEFAULT_MODEL_DIR, metadata={
+        "help": "a Hugging Face model folder (config.json, *.safetensors, tokenizer files); default: the tiny "
+                "model shipped in engine/default_model"})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "a tokenizer folder; default: the model folder"})
     served_model_name: tuple[str, ...] | None = field(default=None, metadata={
         "nargs": "+", "help": "the model name(s) the API answers to (the first is reported); default: the "
                               "model folder's name"})
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    load_format: str = "auto"  # auto | safetensors | dummy
-    max_model_len: int | None = None
-    seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = field(default="auto", metadata={
+        "help": "weights and activations: auto (the checkpoint's dtype on a GPU, float32 on the CPU), "
+                "float32, bfloat16 or float16"})
+    load_format: str = field(default="auto", metadata={
+        "help": "auto or safetensors: the checkpoint's weights; dummy: random weights of the model's shape "
+                "(benchmarks, no checkpoint needed)"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "the longest sequence (prompt + output) in tokens; default and ceiling: the model's "
+                "max_position_embeddings"})
+    seed: int = field(default=0, metadata={
+        "help": "torch seed at start-up (dummy weights, unseeded sampling); a request's own seed wins"})
+    device: str = field(default="auto", metadata={
+        "help": "auto (cuda when a GPU is visible, else cpu), cpu, cuda or cuda:N"})
     quantization: str | None = field(default=None, metadata={
         "help": "fp8: quantize a bf16 checkpoint's linear and expert weights to FP8 at load (per-channel "
                 "weight scales, dynamic per-token activation scales). FP8 checkpoints are detected "
@@ -34,13 +45,19 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    # The KV cache's size in bytes (per rank). On a GPU it replaces the gpu_memory_utilization
-    # budget when given (as in vLLM); on the CPU, which has no profiling run, it defaults to 1 GiB.
-    kv_cache_memory_bytes: int | None = None
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
+    block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block (the paging unit)"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "fraction (0-1] of the GPU's memory this instance may use: weights, activations, then the KV "
+                "cache gets what is left (profiled at start-up)"})
+    # On the CPU, which has no profiling run, the KV budget defaults to 1 GiB.
+    kv_cache_memory_bytes: int | None = field(default=None, metadata={
+        "help": "KV-cache size in bytes per rank; replaces the --gpu-memory-utilization budget on a GPU; "
+                "default on the CPU: 1 GiB"})
+    num_gpu_blocks_override: int | None = field(default=None, metadata={
+        "help": "exact number of KV-cache blocks, ignoring every memory budget (tests, debugging)"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV blocks of a prompt prefix already computed (by full block); "
+                "--no-enable-prefix-caching: compute every prompt in full"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "auto: the model's dtype; fp8: e4m3 (e4m3fnuz on MI300) with a per-tensor scale of 1.0, "
                 "half the KV bytes"})
@@ -48,30 +65,45 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    enable_chunked_prefill: bool = True
-    # Launch a decode step before the previous step's tokens reach the host (EngineCore._step_async).
-    # None (the default) means on.
-    async_scheduling: bool | None = None
+    max_num_seqs: int = field(default=256, metadata={"help": "most requests running in one engine step"})
+    max_num_batched_tokens: int = field(default=8192, metadata={
+        "help": "token budget of one engine step (prefill and decode tokens together)"})
+    enable_chunked_prefill: bool = field(default=True, metadata={
+        "help": "split a prompt longer than the step's token budget over several steps; "
+                "--no-enable-chunked-prefill: such a prompt waits for a step with budget for all of it"})
+    # None (the default) means on; EngineCore._step_async.
+    async_scheduling: bool | None = field(default=None, metadata={
+        "help": "launch a decode step before the previous step's tokens reach the host (default: on)"})
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = field(default=1, metadata={"aliases": ("-tp",),
                                                            "help": "GPUs per instance for tensor parallelism"})
-    data_parallel_size: int = 1
-    enable_expert_parallel: bool = False
-    # none: with --enable-expert-parallel over DP ranks that means naive (mori on ROCm when importable)
-    all2all_backend: str = "none"  # none | naive | a2a | ipc | mori
-    ep_dispatch_fp8: bool = False  # a2a: quantize tokens to fp8 (per-token scale) before dispatch
-    moe_experts: str = "auto"  # auto | triton | torch | aiter
-    expert_placement_strategy: str = "linear"  # linear | round_robin
+    data_parallel_size: int = field(default=1, metadata={
+        "help": "engine ranks behind one API server, each a full copy of the model with its own KV cache"})
+    enable_expert_parallel: bool = field(default=False, metadata={
+        "help": "shard MoE experts over the ranks (TP ranks, or DP ranks that then step together) "
+                "instead of every rank holding all of them"})
+    all2all_backend: str = field(default="none", metadata={
+        "help": "how expert parallelism over DP ranks moves tokens: none (naive, or mori on ROCm when it "
+                "imports), naive (all-gather), a2a (all_to_all), ipc (GPU peer memory, one node) or mori"})
+    ep_dispatch_fp8: bool = field(default=False, metadata={
+        "help": "a2a only: send tokens as fp8 with a per-token scale (half the bytes, inexact)"})
+    moe_experts: str = field(default="auto", metadata={
+        "help": "the MoE experts kernel: auto (aiter on ROCm when it imports, else triton), triton, "
+                "torch (the reference) or aiter"})
+    expert_placement_strategy: str = field(default="linear", metadata={
+        "help": "which expert-parallel rank holds which expert: linear (contiguous ranges) or "
+                "round_robin (expert e on rank e mod ranks)"})
     # Multi-node, torchrun style: ranks are spread evenly over the nodes.
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29533
+    nnodes: int = field(default=1, metadata={"help": "nodes this instance spans (ranks spread evenly)"})
+    node_rank: int = field(default=0, metadata={
+        "help": "this node's index: 0 serves the API and schedules, > 0 runs its ranks only"})
+    master_addr: str = field(default="127.0.0.1", metadata={
+        "help": "node 0's address, where torch.distributed ranks meet (multi-node)"})
+    master_port: int = field(default=29533, metadata={
+        "help": "node 0's torch.distributed rendezvous port (multi-node)"})
 
     @property
     def lockstep_dp(self) -> bool:
@@ -98,11 +130,15 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class CompilationConfig:
-    enforce_eager: bool = False
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "no CUDA graphs: every decode step launches its kernels one by one"})
     compile_ahead: bool = field(default=True, metadata={"help": (
         "compile every Triton kernel variant an eager step can need at start-up (engine/warmup.py), "
         "so none compiles while serving")})
-    cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    cuda_graph_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256),
+                                              metadata={"help": (
+        "comma-separated decode batch sizes captured as CUDA graphs (those <= --max-num-seqs); a batch "
+        "runs in the smallest graph that fits it, larger ones run eagerly")})
 
 
 @dataclass(frozen=True)

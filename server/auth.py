@@ -1,5 +1,5 @@
 """The API key check, shared by the API server and the router: with a key set, the OpenAI routes
-(/v1/...) and the API description (/docs, /redoc, /openapi.json) need `Authorization: Bearer
+(/v1/...), /tokenize and /detokenize, and the API description (/docs, /redoc, /openapi.json) need `Authorization: Bearer
 <key>`. /health and /metrics stay open: load balancers and Prometheus probe them without
 secrets, and they carry no prompts, outputs or keys."""
 import secrets
@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse
 
 from tandem.server.errors import error_body
 
-PROTECTED_PREFIXES = ("/v1", "/docs", "/redoc", "/openapi.json", "/instances")
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json", "/instances")
 
 
 class APIKeyMiddleware:

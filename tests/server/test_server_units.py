@@ -177,3 +177,28 @@ def test_malformed_kv_transfer_params_are_a_400_naming_the_field(fake_app, param
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert field in err["message"] and err["param"] == "kv_transfer_params"
+
+
+def test_api_key_guards_every_route_that_takes_client_text(tok, tiny_model_dir):
+    """Reference: server/auth.py's contract (README, "API key"): only /health, /metrics and /version are
+    open without the key; everything reading client text or describing the API is 401 without it."""
+    fake = FakeEngineClient()
+    fake.info.tokenizer_path = tok.path
+    app = build_app(fake, EngineConfig.create(model=str(tiny_model_dir)), tok, "sekret")
+
+    def call(method, path, key=None):
+        async def go():
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+                return await c.request(method, path, headers=headers,
+                                       json={"prompt": "hi", "tokens": [5]} if method == "POST" else None)
+        return asyncio.run(go())
+
+    guarded = [("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
+               ("GET", "/openapi.json"), ("GET", "/docs")]
+    for method, path in guarded:
+        _assert_openai_error(call(method, path), 401)
+        _assert_openai_error(call(method, path, key="wrong"), 401)
+        assert call(method, path, key="sekret").status_code != 401, path
+    for path in ("/health", "/metrics", "/version"):
+        assert call("GET", path).status_code != 401, path
