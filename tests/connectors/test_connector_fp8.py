@@ -13,8 +13,8 @@ def _make(model_dir, role, kv_cache_dtype):
 
 
 def _prefill_then_decode(prefill, decode, prompts):
-    for i, p in enumerate(prompts):
-        prefill.add_request(EngineRequest(f"p{i}", p, SamplingParams(max_tokens=1),
+    for i, p in enumerate(prompts):  # greedy: the prefill's one token is the decode's first token too
+        prefill.add_request(EngineRequest(f"p{i}", p, SamplingParams(max_tokens=1, temperature=0),
                                           kv_transfer_params={"do_remote_decode": True}))
     outs = run_all(prefill, until=lambda o: all(finished(o, f"p{i}") for i in range(len(prompts))))
     for i, p in enumerate(prompts):
