@@ -139,6 +139,11 @@ class Scheduler:
             req.first_token_logprobs = lp
             req.skipped_draws = 1  # the prefill drew from the request's seeded generator once
             status = self._check_stop(req, token_id)
+            if not self._grammar_accepts(req, token_id):  # the prefill's grammar should have masked it
+                req.all_token_ids.pop()
+                self.fail_request(req, f"the prefill's first token {token_id} is not accepted by the request's "
+                                       "output grammar (do both sides run the same model and tokenizer?)")
+                continue
             if status is not None:
                 self._finish(req, status)
             self.pending_outputs.append(self._output(req, [token_id], [lp] if lp else None, req.kv_transfer_params_out))
@@ -272,8 +277,7 @@ class Scheduler:
             if req.num_output_tokens == 1:
                 req.first_token_logprobs = tok.logprobs  # (a PD prefill hands it to the decode)
             status = self._check_stop(req, tok.token_id)
-            grammar = req.grammar
-            if grammar is not None and not grammar.is_terminated() and not grammar.accept_token(tok.token_id):
+            if not self._grammar_accepts(req, tok.token_id):
                 req.error = f"token {tok.token_id} broke the request's output grammar"
                 status = RequestStatus.FINISHED_ERROR
             if status is not None:
@@ -282,6 +286,13 @@ class Scheduler:
                 req, [tok.token_id], [tok.logprobs] if tok.logprobs else None, req.kv_transfer_params_out,
                 req.prompt_logprobs if send_prompt_logprobs else None))
         return outputs
+
+    @staticmethod
+    def _grammar_accepts(req: Request, token: int) -> bool:
+        """Advance req's grammar matcher (if any) with its newly appended output token; False
+        when the grammar rejects it. Sampled and PD-forwarded first tokens both come through here."""
+        grammar = req.grammar
+        return grammar is None or grammar.is_terminated() or grammar.accept_token(token)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         # The sampler masks EOS and stop tokens until min_tokens, so no count check here.

@@ -84,3 +84,49 @@ def test_logit_bias_moves_the_greedy_token(llm):
     sampled = llm.generate([PROMPT] * 4, [SamplingParams(max_tokens=8, temperature=1.0, seed=s, ignore_eos=True,
                                                          logit_bias=banned) for s in range(4)])
     assert all(not set(o.token_ids) & set(banned) for o in sampled)
+
+
+class _ForwardingConnector:
+    """Decode-side stand-in: hands the scheduler one prefill-sampled first token per request."""
+
+    recompute_on_failure = False
+
+    def __init__(self, first_tokens: dict[str, int]):
+        self.first_tokens = first_tokens
+
+    def take_first_tokens(self):
+        out, self.first_tokens = {rid: (t, None) for rid, t in self.first_tokens.items()}, {}
+        return out
+
+    def on_request_finished(self, req):
+        return False, None
+
+
+def test_pd_forwarded_first_token_advances_or_fails_the_grammar(llm):
+    """A PD decode advances its matcher with the prefill's token as if it had sampled it; a token
+    the grammar rejects ends the request with an error naming it. Reference: the matcher's own
+    acceptance of the same token sequence."""
+    from tandem.engine.protocol import EngineRequest
+
+    core, tok = llm.engine, llm.tokenizer
+    good, bad = tok.encode("forty", add_special_tokens=False)[0], tok.encode("72", add_special_tokens=False)[0]
+    params = SamplingParams(max_tokens=8, temperature=0, structured_outputs=Structured(choice=["forty-eight"]))
+    ids = tok.encode(PROMPT, add_special_tokens=False)
+    saved = core.scheduler.connector
+    try:
+        core.scheduler.connector = _ForwardingConnector({"ok": good, "bad": bad})
+        core.add_request(EngineRequest("ok", ids, params))
+        core.add_request(EngineRequest("bad", ids, params))
+        core.scheduler._take_first_tokens()
+    finally:
+        core.scheduler.connector = saved
+    outs = {o.request_id: o for o in core.scheduler.pending_outputs}
+    assert outs["bad"].finish_reason is not None and str(bad) in outs["bad"].error and not outs["bad"].new_token_ids
+    assert outs["ok"].new_token_ids == [good] and outs["ok"].error is None
+    # The matcher moved past `good`: the rest continues the choice instead of starting it again.
+    outputs = []  # (the first step also returns the pending outputs above)
+    while core.has_unfinished_requests():
+        outputs += core.step()
+    text = tok.decode([t for o in outputs if o.request_id == "ok" for t in o.new_token_ids], skip_special_tokens=True)
+    assert text == "forty-eight"
+    assert core.blocks.num_free_blocks == core.blocks.num_blocks
