@@ -1,7 +1,10 @@
-"""Faults with TP: a prefill rank dies in the middle of a transfer. Decode ends the request
-with a clear error, frees every block, nothing hangs. Reference: the blocks gauges at idle."""
+"""Faults with TP: a prefill rank dies in the middle of a transfer, or the client goes away while
+one is in flight. Decode ends the request, both sides free every block, nothing hangs.
+References: the blocks gauges at idle, and a collocated TP=1 server's greedy text afterwards."""
+import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -9,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import metric, wait_all_blocks_free
+from tests.e2e.conftest import ENGINE_ARGS, Proc, metric, wait_all_blocks_free
 from tests.e2e.test_disagg_tp import Tree
 from tests.e2e.test_faults import LONG
 
@@ -62,3 +65,77 @@ def test_killed_prefill_rank_fails_the_request_without_leaks(model_dir, tmp_path
         wait_all_blocks_free([decode.url])
     finally:
         tree.close()
+
+
+def _abort_count(url: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+               if line.startswith("tandem:request_success_total") and 'finished_reason="abort"' in line)
+
+
+def _waiting_for_kv(url: str) -> bool:
+    return metric(url, "num_requests_waiting_for_remote_kvs") > 0
+
+
+def _holding(url: str) -> bool:
+    return metric(url, "num_requests_running") == 0 and \
+        metric(url, "kv_cache_free_blocks") < metric(url, "kv_cache_total_blocks")
+
+
+@pytest.mark.parametrize("mode", ["write", "read"])
+def test_client_abort_mid_transfer_frees_both_sides(model_dir, tmp_path, mode):
+    """P TP2 + D TP2. One rank is stopped (SIGSTOP) so the transfer cannot finish: in write mode
+    prefill's rank 1 (decode has announced its blocks and waits for the push), in read mode
+    decode's rank 1 (prefill holds its blocks, decode's read step cannot finish). The client
+    closes its streaming connection, the rank resumes; every rank's blocks come back within a
+    bound shorter than the transfer and hold timeouts (8 s), and the next request gets the
+    collocated text."""
+    ref = Proc("collocated", ["--model", str(model_dir), "--served-model-name", "default", *ENGINE_ARGS], tmp_path)
+    tree = Tree(model_dir, [], tmp_path)
+    try:
+        tree.start("p-a", "prefill", 2)
+        tree.start("d-a", "decode", 2)
+        url = tree.route(mode)
+        prefill, decode = tree.instances["p-a"], tree.instances["d-a"]
+        stopped = _rank_pid((prefill if mode == "write" else decode).engine_pid())
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            body = json.dumps({"model": "default", "prompt": LONG, "max_tokens": 32, "temperature": 0,
+                               "stream": True, "ignore_eos": True}).encode()
+            host, port = url.removeprefix("http://").split(":")
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
+            # The transfer is in flight: decode waits for the push (write), or prefill holds the
+            # finished prompt's blocks for decode, whose engine is stuck in the read's step (read).
+            watched, in_flight = (decode, _waiting_for_kv) if mode == "write" else (prefill, _holding)
+            deadline = time.monotonic() + 30
+            while not in_flight(watched.url):
+                assert time.monotonic() < deadline, f"no transfer in flight ({mode})"
+                time.sleep(0.1)
+            if mode == "read":
+                time.sleep(1)  # the router has handed the request to decode
+            sock.close()  # the client goes away mid-transfer
+            if mode == "write":  # decode's engine runs: it sees the abort while prefill is stalled
+                deadline = time.monotonic() + 10
+                while _abort_count(decode.url) == 0:
+                    assert time.monotonic() < deadline, "decode never saw the abort"
+                    time.sleep(0.1)
+            else:
+                time.sleep(2)
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+        # Freed by the abort itself (0.1-0.2 s on CPU), not by the 8 s transfer or hold timeouts.
+        wait_all_blocks_free([prefill.url, decode.url], timeout=6)
+        assert metric(decode.url, "num_requests_running") == 0
+        assert _abort_count(decode.url) == 1, "decode must end the request as aborted, not finish it"
+        expected = _text(ref.wait_healthy().url)
+        assert _text(url) == expected, "a request after the abort must get the collocated text"
+        wait_all_blocks_free([prefill.url, decode.url])
+    finally:
+        tree.close()
+        ref.stop()
+
+
+def _text(url: str) -> str:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    return client.completions.create(model="default", prompt=LONG, max_tokens=8, temperature=0).choices[0].text
