@@ -30,14 +30,19 @@ def _cache(num_blocks: int, device: str) -> torch.Tensor:
     return torch.randn(2, L, num_blocks, bs, h, d, dtype=torch.bfloat16, device=device)
 
 
-def _agent(cache: torch.Tensor, transport: str, name: str):
-    from tandem.connectors.agent import KVAgent
-    from tandem.connectors.protocol import KVLayout
-    from tandem.connectors.transport import make_transport
+def _worker(cache: torch.Tensor, transport: str, name: str):
+    """One rank's worker side of the connector (TP 1), as an instance builds it."""
+    from tandem.connectors.layout import KVLayout
+    from tandem.connectors.worker import KVConnectorWorker
 
-    agent = KVAgent(name, cache, KVLayout(dtype="bfloat16", **LAYOUT), "127.0.0.1", 0, 30.0, lambda *a: None)
-    agent.transport = make_transport(transport, cache, agent)
-    return agent
+    return KVConnectorWorker(name, 0, cache, KVLayout(dtype="bfloat16", **LAYOUT), transport, "127.0.0.1", 30.0)
+
+
+def _whole_rank():
+    """Every head of rank 0 to rank 0 (the TP 1 <-> TP 1 pair)."""
+    from tandem.connectors.layout import RankPair
+
+    return RankPair(0, 0, 0, 0, LAYOUT["num_kv_heads"])
 
 
 def _set_device(device: str) -> None:
@@ -54,10 +59,10 @@ def _sync(*devices: str) -> None:
 def _prefill(transport: str, device: str, num_blocks: int, addr_q, stop_q) -> None:
     _set_device(device)
     cache = _cache(num_blocks, device)
-    agent = _agent(cache, transport, "prefill")
-    addr_q.put(agent.address)
+    worker = _worker(cache, transport, "prefill")
+    addr_q.put(worker.address)
     stop_q.get()
-    agent.close()
+    worker.close()
 
 
 def peer_copy_gbps(src: str, dst: str, nbytes: int = 1 << 30) -> float:
@@ -74,12 +79,13 @@ def peer_copy_gbps(src: str, dst: str, nbytes: int = 1 << 30) -> float:
 
 
 def _read(transport, peer: str, remote: list[int], local: list[int]) -> None:
-    transport.read(peer, "bench", remote, local)
+    transport.read(peer, "bench", remote, local, _whole_rank())
 
 
 def _write(transport, peer: str, remote: list[int], local: list[int]) -> None:
     for layer in range(LAYOUT["num_layers"]):
-        transport.write_layer(peer, "bench", layer, transport.stage_layer(layer, local), remote)
+        pair = _whole_rank()
+        transport.write_layer(peer, "bench", layer, transport.stage_layer(layer, local, pair), remote, pair)
     transport.flush(peer)
 
 
@@ -104,8 +110,8 @@ def main() -> None:
     peer = addr_q.get(timeout=120)
     _set_device(args.dst_device)
     cache = _cache(num_blocks, args.dst_device)
-    agent = _agent(cache, args.transport, "decode")
-    agent.session(peer)
+    worker = _worker(cache, args.transport, "decode")
+    worker._session(peer)  # the data handshake: the transport attaches to the peer's cache
     cpu = "cpu" in (args.src_device, args.dst_device)
     ceiling = peer_copy_gbps(args.src_device, args.dst_device, 1 << (28 if cpu else 30))
     block_bytes = cache[:, :, 0].numel() * cache.element_size()
@@ -113,18 +119,18 @@ def main() -> None:
     for n in args.blocks:
         ids = list(range(n))
         move = _read if args.mode == "read" else _write
-        move(agent.transport, peer, ids, ids)  # warm-up
+        move(worker.transport, peer, ids, ids)  # warm-up
         times = []
         for _ in range(args.repeats):
             t = time.perf_counter()
-            move(agent.transport, peer, ids, ids[::-1])
+            move(worker.transport, peer, ids, ids[::-1])
             times.append(time.perf_counter() - t)
         med = sorted(times)[len(times) // 2]
         gbps = n * block_bytes / med / 1e9
         rows.append(dict(blocks=n, mib=n * block_bytes / 2**20, ms=med * 1e3, gbps=gbps, of_ceiling=gbps / ceiling))
     stop_q.put(None)
     proc.join(30)
-    agent.close()
+    worker.close()
     print(f"transport={args.transport} mode={args.mode} {args.src_device}->{args.dst_device} "
           f"peer-copy ceiling {ceiling:.1f} GB/s (one way, {'256 MiB' if cpu else '1 GiB'} copy, same run); block = {block_bytes / 2**20:.1f} MiB (8B layout, bf16)")
     print(f"{'blocks':>7} {'MiB':>8} {'ms':>8} {'GB/s':>8} {'of ceiling':>10}")
