@@ -21,9 +21,9 @@ from tandem.router.orchestrator import PDOrchestrator
 from tandem.router.protocol import ROLES
 from tandem.router.registry import InstanceRegistry
 from tandem.router.upstream import Upstream, make_http_client
-from tandem.server.auth import APIKeyMiddleware
-from tandem.server.lifecycle import GracefulServer, Lifecycle, PortInUseError, bind_socket, check_port_free
-from tandem.server.openapi_errors import document_errors
+from tandem.router.auth import APIKeyMiddleware
+from tandem.router.lifecycle import GracefulServer, Lifecycle, PortInUseError, bind_socket, check_port_free
+from tandem.router.openapi_errors import document_errors
 
 logger = logging.getLogger(__name__)
 

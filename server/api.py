@@ -13,16 +13,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tandem.engine.config import EngineConfig
 from tandem.server import __version__
-from tandem.server.auth import APIKeyMiddleware
+from tandem.router.auth import APIKeyMiddleware
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
 from tandem.router.disconnect import ClientDisconnected, cancel_on_disconnect
 from tandem.server.engine_client import EngineClient
 from tandem.server.errors import APIError, EngineDeadError, error_body, install_error_handlers
 from tandem.server.generation import ServingContext, generation_defaults
-from tandem.server.lifecycle import Lifecycle
+from tandem.router.lifecycle import Lifecycle
 from tandem.server.metrics import CONTENT_TYPE, ServerMetrics
-from tandem.server.openapi_errors import document_errors
+from tandem.router.openapi_errors import document_errors
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, now
 from tandem.router.text_check import find_invalid_text
 from tandem.server.tokenizer import Tokenizer
@@ -109,7 +109,8 @@ def build_app(client: EngineClient, config: EngineConfig, tokenizer: Tokenizer |
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    document_errors(app, {"/v1/models": (401,), "/v1/": (400, 401, 404, 503)})
+    document_errors(app, {"/v1/models": (401,), "/v1/": (400, 401, 404, 503), "/tokenize": (400, 401, 404, 503),
+                          "/detokenize": (400, 401, 404, 503)})
 
     def serving(body=None) -> ServingContext:
         ctx = app.state.ctx

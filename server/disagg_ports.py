@@ -3,7 +3,7 @@
 import argparse
 from dataclasses import dataclass
 
-from tandem.server.lifecycle import check_port_free
+from tandem.router.lifecycle import check_port_free
 
 DEFAULT_BASE_PORT = 30001
 

@@ -6,6 +6,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.router.text_check import printable
+
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -31,9 +33,6 @@ class EngineDeadError(APIError):
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | int | None = None) -> dict:
-    # Imported here: tandem.router's package import loads router.app, which imports server.auth -> this module.
-    from tandem.router.text_check import printable
-
     return {"error": {"message": printable(message), "type": _TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code if code is not None else status}}
 

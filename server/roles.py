@@ -15,7 +15,7 @@ import uuid
 
 from tandem.engine.config import EngineConfig, KVTransferConfig, add_engine_args
 from tandem.server.disagg_ports import add_disagg_port_args, check_ports_free, plan_ports
-from tandem.server.lifecycle import PortInUseError
+from tandem.router.lifecycle import PortInUseError
 
 logger = logging.getLogger("tandem.server.roles")
 
