@@ -5,21 +5,15 @@ Reference: the unquantized server's lm-eval `gsm8k_tandem_ll` accuracy on the sa
 be within ACC_TOL. The full task (1319 docs) is the criterion and is marked slow; a subset runs
 the same check with a looser bound, as one flipped doc moves a small subset's accuracy a lot.
 """
-import signal
-import subprocess
-import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
 
 from benchmarks.lm_eval.task_dir import write_task_dir
 from tandem.engine.config import DEFAULT_MODEL_DIR
-from tests.ports import free_port
+from tests.server.conftest import ServerProcess
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TASK, METRIC = "gsm8k_tandem_ll", "acc,none"
 ACC_TOL = 0.02
 FP8_FLAGS = ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]
@@ -27,33 +21,12 @@ FP8_FLAGS = ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]
 
 @contextmanager
 def _server(extra: list[str], log_path: Path):
-    port = free_port()
-    cmd = [sys.executable, "-m", "tandem.server", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-           "--dtype", "float32", "--max-num-seqs", "16", *extra]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    """A CPU server on the default model with `extra` flags; its URL while the block runs."""
+    server = ServerProcess(log_path, ["--device", "cpu", "--dtype", "float32", "--max-num-seqs", "16", *extra])
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server not healthy after 180 s:\n{log_path.read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        yield url
+        yield server.wait_healthy().url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.stop()
 
 
 def gsm8k_ll_accuracy(extra: list[str], limit: int | None, tmp: Path) -> float:

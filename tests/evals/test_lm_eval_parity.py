@@ -5,20 +5,14 @@ engine/default_model. Server side: `python -m tandem.server` (no --model: the em
 queried by lm-eval's `local-completions` with string prompts (tokenized_requests=False), the
 way benchmarks/lm_eval/README.md runs it. Tasks: benchmarks/lm_eval/tasks/ on a GSM8K subset.
 """
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from benchmarks.lm_eval.task_dir import write_task_dir
 from tandem.engine.config import DEFAULT_MODEL_DIR
-from tests.ports import free_port as _free_port
+from tests.server.conftest import ServerProcess
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVED_NAME = Path(DEFAULT_MODEL_DIR).name
 # (task, metric key, docs): enough docs for a non-trivial score, small enough for 2 CPU cores.
 GENERATE = ("gsm8k_tandem", "exact_match,strict-match", 20)
@@ -30,34 +24,12 @@ LOGLIKELIHOOD_ATOL = 1e-3
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory):
     """`python -m tandem.server` on the default model, on a free port; stopped (SIGTERM) at teardown."""
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("lm-eval-server") / "server.log"
-    cmd = [sys.executable, "-m", "tandem.server", "--host", "127.0.0.1", "--port", str(port),
-           "--device", "cpu", "--dtype", "float32", "--max-num-seqs", "16"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    server = ServerProcess(log_path, ["--device", "cpu", "--dtype", "float32", "--max-num-seqs", "16"])
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode} during start-up:\n{log_path.read_text()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server not healthy after 180 s:\n{log_path.read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        yield url
+        yield server.wait_healthy().url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.stop()
 
 
 @pytest.fixture(scope="module")
