@@ -8,9 +8,10 @@ the skinny GEMM under 16 rows), and for plain int arguments the class of the val
 divisible by 16, other) unless the argument is marked do_not_specialize. So a step's variant
 is a function of its token count, sequence count, longest query and context, and whether every
 prefill starts at position 0 (attention then reads the new keys densely). `eager_signature`
-maps a batch to that key, calling the kernels' own plan function for attention; the warm-up
-enumerates a grid of batches the scheduler can form within its limits and runs one batch per
-distinct key. kernels/compile_watch.py counts what still compiles after ready.
+maps a batch to the set of variants its launches need (each launch compiles on its own),
+calling the kernels' own plan functions; the warm-up enumerates a grid of batches the scheduler
+can form within its limits and runs each one that needs a variant no earlier one did.
+kernels/compile_watch.py counts what still compiles after ready.
 """
 from __future__ import annotations
 
@@ -57,89 +58,100 @@ def interesting_counts(limit: int) -> list[int]:
 
 def candidate_batches(max_tokens: int, max_seqs: int, max_model_len: int,
                       block_size: int = 16) -> Iterator[WarmupBatch]:
-    """Steps the scheduler can form: S - 1 decodes and one prompt chunk of T - S + 1 tokens, the
-    chunk either a prefill from position 0 or a later chunk behind a context; contexts at powers
-    of two up to max_model_len, one token short of each and one block past (block tables of every
-    width class with every split count).
-    Decode-only batches appear when S = T."""
+    """Steps the scheduler can form, for T tokens over S sequences: S - 1 decodes and one prompt
+    chunk of T - S + 1 tokens, and S chunks of about T / S tokens each (the longest query the
+    count allows, and the shortest); chunks either from position 0 or behind a context, contexts
+    at powers of two up to max_model_len, one block and one token short of each and one block
+    past (block tables of every width class with every split count). Decode-only batches appear when S = T."""
     powers = [1 << k for k in range(4, max_model_len.bit_length() + 1)]
-    contexts = sorted({min(max_model_len, c) for p in powers for c in (p - 1, p, p + block_size)} | {max_model_len})
+    contexts = sorted({min(max_model_len, c) for p in powers for c in (p - block_size, p - 1, p, p + block_size)} | {max_model_len})
     for t in interesting_counts(max_tokens):
         for s in interesting_counts(min(max_seqs, t)):
-            chunk = t - s + 1
-            if chunk > max_model_len:
-                continue
-            for ctx in contexts:
-                if ctx < chunk:
-                    continue
-                decodes = (1,) * (s - 1)
-                # the chunk from position 0 (ctx == chunk) or behind ctx - chunk tokens of context
-                yield WarmupBatch(decodes + (chunk,), (ctx,) * (s - 1) + (chunk,))
-                if ctx > chunk:
-                    yield WarmupBatch(decodes + (chunk,), (ctx,) * s)
+            one_chunk = t - s + 1
+            shapes = [((1,) * (s - 1) + (one_chunk,), s - 1)] if one_chunk <= max_model_len else []
+            if s > 1 and -(-t // s) <= max_model_len:
+                shapes.append((tuple(t // s + (i < t % s) for i in range(s)), 0))
+            for q, num_decodes in shapes:
+                for ctx in contexts:
+                    if ctx < max(q):
+                        continue
+                    decode_ctx = (ctx,) * num_decodes
+                    # the chunks from position 0 (each its own length) or behind ctx - chunk tokens
+                    yield WarmupBatch(q, decode_ctx + q[num_decodes:])
+                    if ctx > max(q):
+                        yield WarmupBatch(q, (ctx,) * s)
 
 
-PlanFn = Callable[[WarmupBatch], object]  # a kernel's plan choice for a batch (hashable)
+PlanFn = Callable[[WarmupBatch], tuple]  # a batch -> the variant keys of one kernel's launches
 
 
-def eager_signature(batch: WarmupBatch, plan_fns: tuple[PlanFn, ...] = ()) -> tuple:
-    """The kernel-variant key of a batch (see the module docstring): the int classes of the token
-    and sequence counts (sampled rows), whether the skinny GEMM path applies (<= 16 rows), dense
-    prefill keys, and each kernel plan function's choice; without plan functions, the powers of
-    two of the longest query and context stand in for them."""
+def eager_signature(batch: WarmupBatch, plan_fns: tuple[PlanFn, ...] = ()) -> frozenset:
+    """The kernel variants a batch's eager step compiles (see the module docstring), as a set of
+    components: one for the plain kernels (the int classes of the token and sequence counts,
+    whether the skinny GEMM path applies (<= 16 rows), dense prefill keys) and one per launch each
+    plan function reports. Launches compile independently, so a batch is covered once each of its
+    components has been warmed by some batch; without plan functions, the powers of two of the
+    longest query and context stand in for them."""
     t, s = batch.num_tokens, len(batch.query_lens)
-    key = (int_class(t), t <= 16, int_class(s), batch.from_start and max(batch.query_lens) > 1)
+    step = ("step", int_class(t), t <= 16, int_class(s), batch.from_start and max(batch.query_lens) > 1)
     if not plan_fns:
-        return key + (max(batch.query_lens).bit_length(), max(batch.seq_lens).bit_length())
-    return key + tuple(fn(batch) for fn in plan_fns)
+        return frozenset({step + (max(batch.query_lens).bit_length(), max(batch.seq_lens).bit_length())})
+    return frozenset({step} | {(i, launch) for i, fn in enumerate(plan_fns) for launch in fn(batch)})
 
 
 def warmup_plan(max_tokens: int, max_seqs: int, max_model_len: int, graph_sizes: tuple[int, ...],
                 plan_fns: tuple[PlanFn, ...] = (), block_size: int = 16) -> list[WarmupBatch]:
-    """One batch per distinct eager_signature, smallest first; decode-only batches that a CUDA
-    graph serves (S <= the largest graph size) are left to the graph capture."""
+    """Candidate batches, smallest token count first, each kept when it warms a component no
+    kept batch has; decode-only batches that a CUDA graph serves (S <= the largest graph size)
+    are left to the graph capture."""
     largest_graph = max(graph_sizes, default=0)
-    chosen: dict[tuple, WarmupBatch] = {}
-    for batch in candidate_batches(max_tokens, max_seqs, max_model_len, block_size):
+    candidates = sorted(candidate_batches(max_tokens, max_seqs, max_model_len, block_size),
+                        key=lambda b: (b.num_tokens, len(b.query_lens), max(b.seq_lens)))
+    warmed: set = set()
+    chosen = []
+    for batch in candidates:
         if max(batch.query_lens) == 1 and len(batch.query_lens) <= largest_graph:
             continue
-        key = eager_signature(batch, plan_fns)
-        if key not in chosen or batch.num_tokens < chosen[key].num_tokens:
-            chosen[key] = batch
-    return sorted(chosen.values(), key=lambda b: (b.num_tokens, len(b.query_lens), max(b.seq_lens)))
+        new = eager_signature(batch, plan_fns) - warmed
+        if new:
+            warmed |= new
+            chosen.append(batch)
+    return chosen
 
 
-def block_table_width_fn(block_size: int) -> PlanFn:
-    """The int class of the block table's row stride (its width: the longest context in blocks),
-    an argument attention specializes on."""
-    return lambda b: int_class(-(-max(b.seq_lens) // block_size))
+def attention_plan_fn(launch_plans: Callable, num_heads: int, num_kv_heads: int, head_dim: int,
+                      dtype, block_size: int) -> PlanFn:
+    """Per attention launch of a batch: its plan (tiles, splits, q range), and the int classes of
+    the arguments it specializes on: the sequence count and the block table's row stride (its
+    width: the longest context in blocks)."""
+    import torch
+
+    q = torch.empty(1, 1, 1, dtype=dtype)
+
+    def launches(b: WarmupBatch) -> tuple:
+        plans = launch_plans(q.expand(b.num_tokens, num_heads, head_dim), num_heads // num_kv_heads,
+                             len(b.query_lens), num_kv_heads, max(b.query_lens), max(b.seq_lens), b.from_start)
+        args = (int_class(len(b.query_lens)), int_class(-(-max(b.seq_lens) // block_size)))
+        return tuple((tuple(sorted(p.items())),) + args for p in plans)
+    return launches
 
 
 def _kernel_plan_fns(runner) -> tuple[PlanFn, ...]:
     """The kernels' own plan choices for a batch on this runner (attention launches; the MoE tile
     config when the model has experts); empty when the kernels' plan functions are not there."""
-    import torch
-
     try:
         from tandem.kernels.triton.attention import _launch_plans
         from tandem.kernels.triton.moe import _config as moe_config
     except ImportError:
         return ()
     a = runner.attention_layers[0]
-    q = torch.empty(1, 1, 1, dtype=runner.dtype, device=runner.device)
-
-    def attention(b: WarmupBatch) -> tuple:
-        plans = _launch_plans(q.expand(b.num_tokens, a.num_heads, a.head_dim), a.num_heads // a.num_kv_heads,
-                              len(b.query_lens), a.num_kv_heads, max(b.query_lens), max(b.seq_lens), b.from_start)
-        return tuple(tuple(sorted(p.items())) for p in plans)
-
-    fns = (attention, block_table_width_fn(runner.block_size))
+    fns = (attention_plan_fn(_launch_plans, a.num_heads, a.num_kv_heads, a.head_dim, runner.dtype, runner.block_size),)
     moe = next((m for m in runner.model.modules() if hasattr(m, "top_k") and hasattr(m, "num_experts")), None)
     if moe is None:
         return fns
     local_experts = len(getattr(moe, "expert_ids", None) or range(moe.num_experts))
-    return fns + (lambda b: tuple(sorted(moe_config(b.num_tokens * moe.top_k, local_experts,
-                                                    runner.dtype).items())),)
+    return fns + (lambda b: ((tuple(sorted(moe_config(b.num_tokens * moe.top_k, local_experts,
+                                                      runner.dtype).items())), int_class(b.num_tokens)),),)
 
 
 def _forward(runner, batch: WarmupBatch) -> None:
