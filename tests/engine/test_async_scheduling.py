@@ -44,7 +44,7 @@ def test_async_matches_sync(tiny_models, arch, device):
     """On a GPU the decode steps replay CUDA graphs whose input ids are copied on the device
     from the step before, and tokens come back through pinned memory."""
     path = tiny_models[arch][0]
-    kw = dict(COMMON, device=device, dtype="float32", num_gpu_blocks_override=256)
+    kw = dict(COMMON, device=device, dtype="float32", num_gpu_blocks_override=256, compile_ahead=False)
     sync = LLM(path, async_scheduling=False, **kw)
     probe = sync.generate([PROMPTS[1]], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
     stop = probe.token_ids[6]  # greedy reaches it within 30 tokens: request 1 stops early

@@ -11,7 +11,7 @@ from tests.ports import free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 COMMON = dict(block_size=16, dtype="float32", num_gpu_blocks_override=128, max_num_batched_tokens=64,
-              max_num_seqs=8, cuda_graph_sizes=(1, 2, 4, 8))
+              max_num_seqs=8, cuda_graph_sizes=(1, 2, 4, 8), compile_ahead=False)
 
 
 @pytest.fixture(scope="module")

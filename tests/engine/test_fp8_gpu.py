@@ -36,12 +36,12 @@ def test_fp8_engine_gpu(tiny_models, tmp_path, arch, fmt, kv):
     _needs_fp8()
     src = tiny_models[arch][0]
     tensors = write_fp8_checkpoint(src, tmp_path / "fp8", fmt)
-    llm = LLM(str(tmp_path / "fp8"), device="cuda", dtype="bfloat16", block_size=16, kv_cache_dtype=kv,
+    llm = LLM(str(tmp_path / "fp8"), device="cuda", compile_ahead=False, dtype="bfloat16", block_size=16, kv_cache_dtype=kv,
               kv_cache_memory_bytes=KV_BYTES)
     _check(llm, _reference(tmp_path, src, tensors))
     # decode steps (CUDA graphs, skinny tiles) agree with eager decode
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    eager = LLM(str(tmp_path / "fp8"), device="cuda", dtype="bfloat16", block_size=16, kv_cache_dtype=kv,
+    eager = LLM(str(tmp_path / "fp8"), device="cuda", compile_ahead=False, dtype="bfloat16", block_size=16, kv_cache_dtype=kv,
                 kv_cache_memory_bytes=KV_BYTES, enforce_eager=True)
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [o.token_ids for o in eager.generate(PROMPTS, params)]
 
@@ -50,8 +50,8 @@ def test_online_fp8_and_dummy_gpu(tiny_models, tmp_path):
     _needs_fp8()
     src = tiny_models["qwen3_moe"][0]
     tensors = write_fp8_checkpoint(src, tmp_path / "same", "ct_channel")
-    llm = LLM(src, device="cuda", dtype="bfloat16", quantization="fp8", kv_cache_memory_bytes=KV_BYTES)
+    llm = LLM(src, device="cuda", compile_ahead=False, dtype="bfloat16", quantization="fp8", kv_cache_memory_bytes=KV_BYTES)
     _check(llm, _reference(tmp_path, src, tensors))
-    dummy = LLM(str(tmp_path / "same"), device="cuda", dtype="bfloat16", load_format="dummy",
+    dummy = LLM(str(tmp_path / "same"), device="cuda", compile_ahead=False, dtype="bfloat16", load_format="dummy",
                 kv_cache_memory_bytes=KV_BYTES)
     assert len(dummy.generate([PROMPTS[0]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4

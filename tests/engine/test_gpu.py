@@ -27,7 +27,7 @@ def _hf_logprobs(model, prompt, tokens):
 def test_gpu_engine_matches_hf(tiny_models, arch, enforce_eager):
     path, hf = tiny_models[arch]
     hf = hf.to("cuda")
-    llm = LLM(path, device="cuda", dtype="float32", block_size=16, enforce_eager=enforce_eager,
+    llm = LLM(path, device="cuda", compile_ahead=False, dtype="float32", block_size=16, enforce_eager=enforce_eager,
               max_num_batched_tokens=64, kv_cache_memory_bytes=KV_BYTES)
     assert (llm.engine.runner.graphs is None) == enforce_eager
     # a given KV size replaces the free-memory budget, so tests sharing the device do not collide
@@ -46,8 +46,8 @@ def test_cuda_graph_and_eager_agree_bf16(tiny_models):
     path = tiny_models["llama"][0]
     prompts = [list(range(i, i + 20 + 7 * i)) for i in range(1, 30)]  # 29 sequences: padded to 32
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    graph = LLM(path, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=KV_BYTES).generate(prompts, params)
-    eager = LLM(path, device="cuda", dtype="bfloat16", enforce_eager=True,
+    graph = LLM(path, device="cuda", compile_ahead=False, dtype="bfloat16", kv_cache_memory_bytes=KV_BYTES).generate(prompts, params)
+    eager = LLM(path, device="cuda", compile_ahead=False, dtype="bfloat16", enforce_eager=True,
                 kv_cache_memory_bytes=KV_BYTES).generate(prompts, params)
     same = sum(g.token_ids == e.token_ids for g, e in zip(graph, eager))
     assert same >= len(prompts) - 2  # identical math; bf16 ties may differ at most rarely
@@ -63,7 +63,7 @@ def test_pending_norms_as_close_to_hf_as_norm_launches(tiny_models, arch):
     hf = hf.to("cuda")
     err = {}
     for fold in (False, True):
-        llm = LLM(path, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=KV_BYTES, fuse_norms=fold)
+        llm = LLM(path, device="cuda", compile_ahead=False, dtype="bfloat16", kv_cache_memory_bytes=KV_BYTES, fuse_norms=fold)
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0))
         err[fold] = max(
             (torch.tensor([lp.logprobs[0] for lp in out.logprobs], device="cuda")

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_tp2_matches_hf(tiny_models, arch):
     path, hf = tiny_models[arch]
-    llm = LLM(path, device="cuda", dtype="float32", tensor_parallel_size=2, master_port=free_port(),
+    llm = LLM(path, device="cuda", compile_ahead=False, dtype="float32", tensor_parallel_size=2, master_port=free_port(),
               num_gpu_blocks_override=256, max_num_batched_tokens=64)
     try:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0))
@@ -38,7 +38,7 @@ def test_tp2_async_scheduling_gpu(tiny_models, arch):
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     outs = []
     for async_scheduling in (False, True):
-        llm = LLM(path, device="cuda", dtype="float32", tensor_parallel_size=2, master_port=free_port(),
+        llm = LLM(path, device="cuda", compile_ahead=False, dtype="float32", tensor_parallel_size=2, master_port=free_port(),
                   num_gpu_blocks_override=256, max_num_batched_tokens=64, async_scheduling=async_scheduling)
         try:
             outs.append([o.token_ids for o in llm.generate(PROMPTS, params)])
