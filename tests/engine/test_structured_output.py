@@ -27,12 +27,13 @@ SCHEMA = {
 }
 REGEX = r"[0-9]{2,3}-(yes|no)"
 CHOICES = ["forty-eight", "twenty four", "72"]
+KV_BYTES = 1 << 27  # per engine: two engines share the GPU in one test
 
 
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def llm(request):
     """The default model on CPU, and on a GPU with its defaults (CUDA graphs, async scheduling)."""
-    return LLM(device=request.param, max_model_len=512, max_num_seqs=8)
+    return LLM(device=request.param, max_model_len=512, max_num_seqs=8, kv_cache_memory_bytes=KV_BYTES)
 
 
 def _specs():
@@ -61,7 +62,7 @@ def test_async_scheduling_gives_the_synchronous_outputs(llm):
     params = [SamplingParams(max_tokens=16, temperature=0, structured_outputs=s) for s, _ in _specs()[1:]]
     params.append(SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     sync = LLM(device=llm.engine.config.model.device, max_model_len=512, max_num_seqs=8, async_scheduling=False,
-               compile_ahead=False)
+               compile_ahead=False, kv_cache_memory_bytes=KV_BYTES)
     runs = [[o.token_ids for o in engine.generate([PROMPT] * len(params), params)] for engine in (llm, sync)]
     assert runs[0] == runs[1]
 
