@@ -40,6 +40,7 @@ import time
 import uuid
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse, Response
 
 from tandem.connectors.params import KVTransferParams, parse_kv_transfer_params
@@ -96,7 +97,10 @@ def _no_constant(name: str) -> None:
 
 async def parse_json_body(request: Request) -> tuple[dict, bytes]:
     """The client's JSON object; not JSON (NaN, bad UTF-8, too deep) or not valid Unicode is a 400."""
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # gone while sending its body: nobody to answer (logged as 499, not as a bug)
+        raise RouterError("client disconnected while sending the request", 499, "client_disconnected") from None
     try:
         body = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:
