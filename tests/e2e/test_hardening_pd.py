@@ -132,9 +132,7 @@ def test_soak_no_5xx_no_leaked_blocks(tree):
             deadline = time.monotonic() + SOAK_SECONDS
             await asyncio.gather(*(worker(i, deadline, client) for i in range(SOAK_CONCURRENCY)))
 
-    start = time.monotonic()
     asyncio.run(main())
-    print("soak", round(time.monotonic() - start, 1), "s", stats)
     assert not any(isinstance(k, int) and k >= 500 for k in stats), stats
     assert stats.get(200, 0) > 20 and stats.get(400, 0) > 0 and stats.get("aborted", 0) > 0, stats
     wait_all_blocks_free(tree.instance_urls, 60)
