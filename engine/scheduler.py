@@ -208,18 +208,31 @@ class Scheduler:
         if preempted:
             return out
         skipped: list[Request] = []
+        # Waiting requests that hold blocks (remote KV arriving or landed) count as sequences, so
+        # blocks handed out for remote KV never exceed what max_num_seqs running requests hold.
+        holders = sum(1 for r in self.waiting if r.block_ids)
+        blocked = False  # a request without blocks could not start: only holders may pass it now
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
-            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            holds = bool(req.block_ids)
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS or (blocked and not holds):
                 skipped.append(req)
                 continue
             fresh = req.num_computed_tokens == 0
             if fresh and self.connector is not None and not self.connector.ready(req):
                 skipped.append(req)
                 continue
+            if not holds and len(self.running) + holders >= self.config.max_num_seqs:
+                skipped.append(req)
+                blocked = True
+                continue
             if not self._admit(req, budget, out):
-                self.waiting.appendleft(req)
-                break
+                # A landed remote-KV request behind this one holds its blocks and needs none more
+                # (_admit gave it one token's room): it must not wait behind, or nothing frees.
+                skipped.append(req)
+                blocked = True
+                continue
+            holders += (req.status == RequestStatus.WAITING_FOR_REMOTE_KVS) - holds
             budget = self.config.max_num_batched_tokens - out.num_tokens
         self.waiting.extendleft(reversed(skipped))
         return out
@@ -232,8 +245,8 @@ class Scheduler:
         num_remote = 0
         if fresh and self.connector is not None:
             num_remote = self.connector.num_remote_tokens(req, num_local)
-        if num_remote:
-            if not self.blocks.allocate(req, num_remote, cached):
+        if num_remote:  # room for the first output token too: once landed, it starts without new blocks
+            if not self.blocks.allocate(req, num_remote + 1, cached):
                 return False
             req.num_cached_tokens = len(cached) * self.blocks.block_size
             req.remote_computed_tokens = num_local + num_remote

@@ -27,6 +27,8 @@ Write mode (prefill pushes), concurrent, one transfer_id = uuid4().hex:
   D's output reaches the client only once P answered successfully: if P fails first,
   D is cancelled and the client gets P's error; if D fails, P is cancelled.
 
+A batched prompt or n > 1 fans out to one transfer per choice (router/fanout.py), merged into one answer.
+
 Both modes send the client's X-Request-Id (or a new one) to P and D and back to the
 client, and forward the client's Authorization header. A client that disconnects
 closes the upstream requests.
@@ -38,11 +40,13 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
+from fastapi.responses import JSONResponse, Response
 
 from tandem.connectors.params import KVTransferParams, parse_kv_transfer_params
 from tandem.router.config import RouterConfig
 from tandem.router.errors import RouterError
+from tandem.router.fanout import MergedRelayResponse, SubRequest, merge_answers, response_id, split_request
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policy import make_policy
 from tandem.router.registry import Instance, InstanceRegistry
@@ -93,7 +97,10 @@ def _no_constant(name: str) -> None:
 
 async def parse_json_body(request: Request) -> tuple[dict, bytes]:
     """The client's JSON object; not JSON (NaN, bad UTF-8, too deep) or not valid Unicode is a 400."""
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # gone while sending its body: nobody to answer (logged as 499, not as a bug)
+        raise RouterError("client disconnected while sending the request", 499, "client_disconnected") from None
     try:
         body = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:
@@ -116,6 +123,17 @@ async def _cancel_all(*tasks: asyncio.Task) -> None:
             result = task.result()
             if isinstance(result, UpstreamStream):
                 await result.aclose()
+
+
+async def _all_or_first_failure(tasks: list[asyncio.Task]) -> None:
+    """Wait until every task succeeded; raise the first failure (the earliest in `tasks` among
+    those that failed in the same wake-up)."""
+    pending = set(tasks)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:
+            if task in done and task.exception() is not None:
+                raise task.exception()
 
 
 class PDOrchestrator:
@@ -159,14 +177,6 @@ class PDOrchestrator:
             self.metrics.requests.labels(path, "none").inc()
             self.metrics.failures.labels(path, str(e.status)).inc()
             raise
-        prompt, n = body.get("prompt"), body.get("n")
-        batched = isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
-        if decode is not None and (batched or (type(n) is int and n > 1)):
-            # One KV transfer per request: the decode side of a batch or of n > 1 waits forever for the
-            # other transfers (bug left for the connector), so refuse it clearly instead of hanging.
-            self.metrics.failures.labels(path, "400").inc()
-            raise RouterError("a prefill/decode deployment serves one prompt and n=1 per request; send one request "
-                              "per prompt and sample", 400, "unsupported_in_pd", param="n" if not batched else "prompt")
         target = "collocated" if decode is None else f"pd_{self.config.kv_mode}"
         self.metrics.requests.labels(path, target).inc()
         self.metrics.in_flight.inc()
@@ -181,12 +191,13 @@ class PDOrchestrator:
             if error is not None:
                 self.metrics.failures.labels(path, str(error.status)).inc()
 
+        subs = split_request(body, path) if decode is not None else None
         if decode is None:
             work = self._collocated(first, path, raw, client_streams, headers, finish)
-        elif self.config.kv_mode == "read":
-            work = self._read_mode(first, decode, path, body, client_streams, headers, finish)
+        elif subs is None:
+            work = self._pd(first, decode, path, body, client_streams, headers, finish)
         else:
-            work = self._write_mode(first, decode, path, body, client_streams, headers, finish)
+            work = self._fan_out((first, decode), subs, path, body, client_streams, headers, finish)
         try:
             response = await cancel_on_disconnect(request, work)
         except RouterError as e:
@@ -215,8 +226,43 @@ class PDOrchestrator:
         self.metrics.prefill_seconds.observe(time.perf_counter() - start)
         return answer
 
-    async def _read_mode(self, prefill: Instance, decode: Instance, path: str, body: dict,
-                         client_streams: bool, headers: dict[str, str], finish: OnClose) -> Response:
+    async def _pd(self, prefill: Instance, decode: Instance, path: str, body: dict, client_streams: bool,
+                  headers: dict[str, str], finish: OnClose) -> Response:
+        stream = await self._open_pd(prefill, decode, path, body, headers)
+        return await relay(stream, client_streams, finish)
+
+    async def _open_pd(self, prefill: Instance, decode: Instance, path: str, body: dict,
+                       headers: dict[str, str]) -> UpstreamStream:
+        """One KV transfer for one choice; returns decode's open response."""
+        if self.config.kv_mode == "read":
+            return await self._open_read(prefill, decode, path, body, headers)
+        return await self._open_write(prefill, decode, path, body, headers)
+
+    async def _fan_out(self, pair: tuple[Instance, Instance], subs: list[SubRequest], path: str, body: dict,
+                       client_streams: bool, headers: dict[str, str], finish: OnClose) -> Response:
+        """A batched or n > 1 request: one transfer per choice (each pair picked by the policy), all
+        opened before anything is relayed; the first failure cancels the rest and is the answer."""
+        pairs = [pair] + [self.pick() for _ in subs[1:]]
+        opens = [asyncio.create_task(self._open_pd(p, d, path, sub.body, headers)) for (p, d), sub in zip(pairs, subs)]
+        try:
+            await _all_or_first_failure(opens)
+        except BaseException:
+            await _cancel_all(*opens)
+            raise
+        streams = [task.result() for task in opens]
+        rid = response_id(path)
+        if client_streams and all(s.is_event_stream for s in streams):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return MergedRelayResponse(streams, subs, rid, include_usage, finish)
+        try:
+            answers = await asyncio.gather(*(s.aread() for s in streams))
+        finally:
+            for s in streams:
+                await s.aclose()
+        return JSONResponse(merge_answers(subs, answers, rid))
+
+    async def _open_read(self, prefill: Instance, decode: Instance, path: str, body: dict,
+                         headers: dict[str, str]) -> UpstreamStream:
         prefill_body = prefill_request_body(body, path, kv_params(do_remote_decode=True, **peer_kv_address(decode)))
         answer = await self._prefill(prefill, path, prefill_body, headers)
         kv_transfer_params = answer.get("kv_transfer_params")
@@ -229,12 +275,11 @@ class PDOrchestrator:
         except ValueError as e:
             raise RouterError(f"prefill instance {prefill.instance_id} answered {e}", 502,
                               "bad_kv_transfer_params") from None
-        stream = await self.upstream.open_stream(decode, path, {**body, "kv_transfer_params": kv_transfer_params},
-                                                 headers)
-        return await relay(stream, client_streams, finish)
+        return await self.upstream.open_stream(decode, path, {**body, "kv_transfer_params": kv_transfer_params},
+                                               headers)
 
-    async def _write_mode(self, prefill: Instance, decode: Instance, path: str, body: dict,
-                          client_streams: bool, headers: dict[str, str], finish: OnClose) -> Response:
+    async def _open_write(self, prefill: Instance, decode: Instance, path: str, body: dict,
+                          headers: dict[str, str]) -> UpstreamStream:
         transfer_id = uuid.uuid4().hex
         decode_body = {**body, "kv_transfer_params": kv_params(do_remote_prefill=True, mode="write",
                                                                transfer_id=transfer_id, **peer_kv_address(prefill))}
@@ -247,15 +292,10 @@ class PDOrchestrator:
         except BaseException:
             await _cancel_all(prefill_task, decode_task)
             raise
-        return await relay(decode_task.result(), client_streams, finish)
+        return decode_task.result()
 
     @staticmethod
     async def _both_or_first_failure(prefill_task: asyncio.Task, decode_task: asyncio.Task) -> None:
         """Wait until P answered and D's response opened; raise the first failure (P's when both
         failed: it is usually the cause of D's)."""
-        pending = {prefill_task, decode_task}
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in (prefill_task, decode_task):
-                if task in done and task.exception() is not None:
-                    raise task.exception()
+        await _all_or_first_failure([prefill_task, decode_task])

@@ -1,6 +1,7 @@
 """Relaying an instance's response to the client: SSE chunk by chunk, or a whole JSON body."""
 import json
 import logging
+from contextlib import aclosing
 from typing import AsyncIterator, Callable
 
 import anyio
@@ -28,17 +29,24 @@ class RelayResponse(StreamingResponse):
     `on_close(error)` runs once at the end; error is None when the stream completed.
     """
 
-    def __init__(self, upstream: UpstreamStream, on_close: OnClose):
+    def __init__(self, upstream: UpstreamStream, on_close: OnClose, upstreams: list[UpstreamStream] | None = None):
         self._upstream = upstream
+        self._upstreams = upstreams or [upstream]  # all closed at the end (a merged relay has several)
         self._on_close = on_close
         self._error: RouterError | None = None
         self._completed = False
         super().__init__(self._chunks(), status_code=upstream.status_code, media_type=upstream.content_type)
 
+    async def relayed(self) -> AsyncIterator[bytes]:
+        """The bytes to send the client (subclasses transform them); raises RouterError when broken."""
+        async for chunk in self._upstream.aiter_chunks():
+            yield chunk
+
     async def _chunks(self) -> AsyncIterator[bytes]:
         try:
-            async for chunk in self._upstream.aiter_chunks():
-                yield chunk
+            async with aclosing(self.relayed()) as chunks:  # closed at once when the client leaves
+                async for chunk in chunks:
+                    yield chunk
         except RouterError as e:
             logger.warning("stream from instance %s broke: %s", self._upstream.instance.instance_id, e.message)
             self._error = e
@@ -51,7 +59,8 @@ class RelayResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
-                await self._upstream.aclose()
+                for upstream in self._upstreams:
+                    await upstream.aclose()
             if not self._completed and self._error is None:
                 logger.info("client left during the stream from instance %s; upstream request closed",
                             self._upstream.instance.instance_id)

@@ -19,7 +19,9 @@ def make_http_client(connect_timeout_s: float, request_timeout_s: float) -> http
     """The one client all upstream calls share (connection pooling, no per-request setup)."""
     return httpx.AsyncClient(
         timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+        # idle connections close well before an instance's uvicorn drops them (its keep-alive is 5 s):
+        # reusing one it is closing fails the request with a ReadError
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=2.0),
         trust_env=False,  # no proxy from the environment between the router and its instances
         headers={"Accept-Encoding": "identity"},  # raw bytes are relayed as they come: no compression
     )

@@ -12,6 +12,7 @@ from pathlib import Path
 from tandem.connectors.params import parse_kv_transfer_params
 from tandem.engine.protocol import EngineRequest, RequestOutput, TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from tandem.router.fanout import choice_seed
 from tandem.server.detokenizer import IncrementalDetokenizer
 from tandem.server.engine_client import EngineClient
 from tandem.server.errors import APIError
@@ -43,7 +44,6 @@ def generation_defaults(setting: str, model_path: str) -> dict:
     if defaults:
         logger.info("default sampling parameters from %s: %s", path, defaults)
     return defaults
-_SEED_STRIDE = 0x9E3779B97F4A7C15  # choice j > 0 of a seeded request gets a well-spread seed
 
 
 @dataclass
@@ -215,7 +215,7 @@ def build_requests(ctx: ServingContext, body: GenerationFields, request_id: str,
     arrival = time.time()
     for i, ids in enumerate(prompts):
         for j in range(body.n):
-            seed = body.seed if body.seed is None or j == 0 else (body.seed + j * _SEED_STRIDE) % (1 << 63)
+            seed = choice_seed(body.seed, j)  # the router seeds a PD deployment's samples the same way
             params = sampling_params(body, max_tokens, logprobs, prompt_logprobs, seed, ctx.defaults, logit_bias,
                                      structured)
             rid = f"{request_id}-{i}-{j}"

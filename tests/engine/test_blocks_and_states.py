@@ -173,6 +173,36 @@ def test_waiting_for_remote_kvs(tiny_models, fail):
     assert prefill.engine.blocks.num_free_blocks == prefill.engine.blocks.num_blocks
 
 
+def test_remote_kv_requests_never_deadlock_the_decode(tiny_models):
+    """More remote-KV requests than blocks: landed requests (holding their blocks) must start even
+    when a newer request at the head of the queue cannot get blocks. Prompts fill whole blocks, so
+    a landed request's first decode step needs room past its prompt. Reference: a collocated
+    engine's greedy tokens, and the decode ending with every block free."""
+    path = tiny_models["llama"][0]
+    prompt = list(range(40, 64))  # 24 tokens = 6 blocks of 4
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    expected = LLM(path, block_size=4).generate([prompt], params)[0].token_ids
+    prefill = LLM(path, block_size=4)
+    prefill.engine.set_connector(HoldConnector())
+    prefill.engine.add_request(EngineRequest("p", prompt, SamplingParams(max_tokens=1, temperature=0)))
+    first = next(o for _ in range(3) for o in prefill.engine.step())
+    decode = LLM(path, block_size=4, enable_prefix_caching=False, num_gpu_blocks_override=18, max_num_seqs=4)
+    core = decode.engine
+    core.set_connector(CopyConnector(prefill, decode, delay=2, first_token=first.new_token_ids[0]))
+    kv = {"remote_block_ids": first.kv_transfer_params["remote_block_ids"]}
+    for i in range(6):
+        core.add_request(EngineRequest(f"r{i}", prompt, params, kv_transfer_params=kv))
+    outs: dict[str, list[int]] = {}
+    for _ in range(400):
+        if not core.has_unfinished_requests():
+            break
+        for o in core.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert not core.has_unfinished_requests(), [(r.request_id, r.status) for r in core.scheduler.waiting]
+    assert outs == {f"r{i}": expected for i in range(6)}
+    assert core.blocks.num_free_blocks == core.blocks.num_blocks
+
+
 @pytest.mark.parametrize("nbytes,message", [(0, "no memory is left for the KV cache"),
                                             (40000, "the KV cache holds 64 tokens, fewer than max_model_len")])
 def test_too_small_kv_cache_is_a_clear_error(tiny_models, nbytes, message):
