@@ -15,6 +15,7 @@ import torch
 
 from tandem.kernels.activation import silu_and_mul_ref
 from tandem.kernels.backend import use_triton
+from tandem.kernels.config import DEFAULT_KERNELS, KernelConfig
 
 E4M3 = torch.float8_e4m3fn
 
@@ -102,12 +103,14 @@ def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bloc
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """fp8_linear_ref's contract; the Triton FP8 GEMM on GPUs with FP8, else the reference (a GPU
-    without FP8 runs the reference too: dequantize then matmul)."""
+               bias: torch.Tensor | None = None, config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+    """fp8_linear_ref's contract; the Triton FP8 GEMM on GPUs with FP8 (config.pdl: the decode tile
+    launched with PDL), else the reference (a GPU without FP8 runs the reference too: dequantize
+    then matmul)."""
     if use_triton(x) and has_fp8_compute(x.device):
         from tandem.kernels.triton.fp8 import fp8_linear_triton
-        y = fp8_linear_triton(x.reshape(-1, x.shape[-1]), w, w_scale, block).view(*x.shape[:-1], w.shape[0])
+        y = fp8_linear_triton(x.reshape(-1, x.shape[-1]), w, w_scale, block, pdl=config.pdl).view(
+            *x.shape[:-1], w.shape[0])
         return y if bias is None else y + bias
     return fp8_linear_ref(x, w, w_scale, block, bias)
 

@@ -109,7 +109,7 @@ class Fp8Linear:
             x = x.normed(self.kernels)
         row_parallel = self.tp_dim == 1 and tp_size() > 1
         bias = None if row_parallel and tp_rank() else self.bias
-        y = fp8_linear(x, self.weight, self.weight_scale, self.fp8_block, bias)
+        y = fp8_linear(x, self.weight, self.weight_scale, self.fp8_block, bias, self.kernels)
         return tp_all_reduce(y) if row_parallel else y
 
     def forward_add_norm(self, x, residual, norm) -> None:
