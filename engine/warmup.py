@@ -4,8 +4,8 @@ for a Triton compile while serving. Decode-only steps replay CUDA graphs, captur
 
 What makes Triton build a new variant of a kernel: a different value of a constexpr (tile plans
 chosen from token counts: attention's narrow/wide/split launches, the MoE tile config by pairs,
-the skinny GEMM under 16 rows), and for plain int arguments the class of the value (== 1,
-divisible by 16, other) unless the argument is marked do_not_specialize. So a step's variant
+the skinny GEMM under 16 rows, the FP8 GEMM's row buckets), and for plain int arguments the class
+of the value (== 1, divisible by 16, other) unless the argument is marked do_not_specialize. So a step's variant
 is a function of its token count, sequence count, longest query and context, and whether every
 prefill starts at position 0 (attention then reads the new keys densely). `eager_signature`
 maps a batch to that key, calling the kernels' own plan function for attention; the warm-up
@@ -134,6 +134,10 @@ def _kernel_plan_fns(runner) -> tuple[PlanFn, ...]:
         return tuple(tuple(sorted(p.items())) for p in plans)
 
     fns = (attention, block_table_width_fn(runner.block_size))
+    fp8 = next((m for m in runner.model.modules() if hasattr(m, "fp8_block") and hasattr(m, "weight_scale")), None)
+    if fp8 is not None:  # the FP8 GEMM's tile family by rows (decode-tile row buckets, prefill tiles)
+        from tandem.kernels.triton.fp8 import plan_key
+        fns += (lambda b: plan_key(b.num_tokens, fp8.fp8_block),)
     moe = next((m for m in runner.model.modules() if hasattr(m, "top_k") and hasattr(m, "num_experts")), None)
     if moe is None:
         return fns
