@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.triton.device import MAX_TICKETS, num_sms, tickets
+from tandem.kernels.triton.linear import MAX_ROWS as NORM_ROWS
+from tandem.kernels.triton.linear import _write_out, pending_rstd
 from tandem.kernels.triton.pdl import launch_args, wait_previous
 
 MAX_ROWS = 64
@@ -65,13 +67,19 @@ def _tile_dot(acc, xt, w, a_s, xs_ptrs, ws_ptrs, kb, m_mask, n_mask, fp8_max, q_
 @triton.jit
 def _fp8_skinny_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_xsm, stride_wn,
-    stride_wsn, stride_om, rows_per_scale, fp8_max,
+    stride_wsn, stride_om, rows_per_scale, fp8_max, res_ptr, g_ptr, sg_ptr, ss_ptr, ss_in_ptr, in_strips, eps,
+    stride_rm, stride_gm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PER_CHANNEL: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, PER_CHANNEL: tl.constexpr, QUANT: tl.constexpr, NORM_OUT: tl.constexpr,
+    NORM_IN: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """out [M, N] = quant(x) @ w.T with the scales (module docstring). x [M, K] (bf16/fp16 with
     QUANT, else fp8 with xs [M, G]); w [N, K] fp8 with ws [N / rows_per_scale, Kb] (block) or [N];
-    part [SPLIT_K, BLOCK_M, N] float32 when SPLIT_K > 1. Block-scaled: BLOCK_K = the K block."""
+    part [SPLIT_K, BLOCK_M, N] float32 when SPLIT_K > 1. Block-scaled: BLOCK_K = the K block.
+    NORM_OUT / NORM_IN: the pending RMSNorm of kernels/triton/linear.py (its _write_out and
+    pending_rstd; NORM_OUT with BLOCK_M = its MAX_ROWS): NORM_OUT adds the residual res [M, N] and
+    writes sg = s * g and ss [BLOCK_M, strips]; NORM_IN scales the rows by their 1/rms from
+    ss_in [BLOCK_M, in_strips] (x is then sg: quantizing it commutes with that row scale)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     q_ty = w_ptr.dtype.element_ty
@@ -91,6 +99,12 @@ def _fp8_skinny_kernel(
     # the first weight tile does not depend on the kernel ahead (PDL)
     w0 = tl.load(w_ptrs, mask=n_mask[None, :] & _k_mask(rk, k_hi - k_lo, False)[:, None], other=0.0)
     wait_previous(PDL)
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    r = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if NORM_OUT:  # issued now, used by the epilogue
+        r = tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=out_mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     a_s = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PER_CHANNEL:
         if QUANT:  # each row's amax over all of K
@@ -118,10 +132,13 @@ def _fp8_skinny_kernel(
                         PER_CHANNEL, QUANT)
     if PER_CHANNEL:
         acc *= a_s[:, None] * tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
+    if NORM_IN:
+        acc *= pending_rstd(ss_in_ptr, rm, m_mask, in_strips, K, eps, S_PAD)[:, None]
     out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    sg_ptrs = sg_ptr + rm[:, None] * stride_gm + rn[None, :]
+    strips = tl.num_programs(0)
     if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        _write_out(out_ptrs, acc, out_mask, rm, n_mask, pid_n, r, g, sg_ptrs, ss_ptr, strips, NORM_OUT)
     else:
         tl.store(part_ptr + (pid_k * BLOCK_M + rm[:, None]) * N + rn[None, :], acc, mask=out_mask)
         tl.debug_barrier()  # every thread's partial is written before the ticket is taken
@@ -131,7 +148,7 @@ def _fp8_skinny_kernel(
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(part_ptr + (s * BLOCK_M + rm[:, None]) * N + rn[None, :], mask=out_mask,
                                  other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            _write_out(out_ptrs, total, out_mask, rm, n_mask, pid_n, r, g, sg_ptrs, ss_ptr, strips, NORM_OUT)
             tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
@@ -193,6 +210,34 @@ def fp8_skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Te
                              pdl: bool = True) -> torch.Tensor:
     """kernels.fp8.fp8_linear_ref for x: [M, K] bf16/fp16, M <= MAX_ROWS; w: [N, K] fp8 with
     w_scale [N] (block None) or [ceil(N / bn), ceil(K / bk)] -> [M, N] in x.dtype."""
+    return _launch(x, w, w_scale, block, cfg, pdl)[0]
+
+
+def fp8_skinny_add_norm_triton(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None, residual: torch.Tensor,
+    norm_weight: torch.Tensor, cfg: dict | None = None, pdl: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The FP8 GEMM ahead of an RMSNorm, as kernels/triton/linear.py's skinny_linear_add_norm_triton:
+    x: [M, K], M <= 16; residual: [M, N]; norm_weight: [N] -> (s = x @ w.T + residual,
+    sg = s * norm_weight, ss [16, strips] float32 each strip's sums of squares of s's rows)."""
+    m, n = x.shape[0], w.shape[0]
+    if m > NORM_ROWS or residual.shape != (m, n) or norm_weight.shape != (n,):
+        raise ValueError(f"fp8 skinny add_norm: output ({m}, {n}) (at most {NORM_ROWS} rows), residual "
+                         f"{tuple(residual.shape)}, norm weight {tuple(norm_weight.shape)}")
+    return _launch(x, w, w_scale, block, cfg, pdl, norm_out=(residual, norm_weight))
+
+
+def fp8_skinny_normed_triton(sg: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
+                             ss: torch.Tensor, eps: float, cfg: dict | None = None, pdl: bool = True) -> torch.Tensor:
+    """The FP8 GEMM after (NORM_IN): sg, ss from a GEMM ahead that left the norm pending (ss [16,
+    strips] float32) -> rms_norm(s) @ w.T, [M, N]."""
+    if sg.shape[0] > NORM_ROWS or ss.dim() != 2 or ss.shape[0] != NORM_ROWS or ss.dtype != torch.float32:
+        raise ValueError(f"fp8 skinny normed: sg {tuple(sg.shape)} (at most {NORM_ROWS} rows), ss "
+                         f"{tuple(ss.shape)} {ss.dtype}, expected [{NORM_ROWS}, strips] float32")
+    return _launch(sg, w, w_scale, block, cfg, pdl, norm_in=(ss, eps))[0]
+
+
+def _launch(x, w, w_scale, block, cfg, pdl, norm_out=None, norm_in=None):
     from tandem.kernels.triton.fp8 import quantize_rows_triton
     m, k = x.shape
     n = w.shape[0]
@@ -210,15 +255,23 @@ def fp8_skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Te
         split = 1
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    sg = torch.empty_like(out) if norm_out is not None else out
+    # every strip writes its column for all 16 rows (zeros past M)
+    ss = torch.empty(NORM_ROWS, strips, device=x.device, dtype=torch.float32) if norm_out is not None else out
     xs = x  # (unused with QUANT)
     if not quant:
         x, xs = quantize_rows_triton(x, w.dtype, block[1] if block else None)
     w_scale = w_scale.contiguous()
     part = torch.empty(split, bucket, n, device=x.device, dtype=torch.float32) if split > 1 else out
+    residual, norm_weight = norm_out if norm_out is not None else (out, out)
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    ss_in, eps = norm_in if norm_in is not None else (out, 0.0)
     _fp8_skinny_kernel[(strips, split)](
         x, xs, w, w_scale, out, part, tickets(x.device), m, n, k, x.stride(0), xs.stride(0), w.stride(0),
         w_scale.stride(0) if block else 1, out.stride(0), block[0] if block else 1,
-        float(torch.finfo(w.dtype).max), BLOCK_M=bucket, SPLIT_K=split,
-        EVEN_K=k % (split * cfg["BLOCK_K"]) == 0, PER_CHANNEL=block is None, QUANT=quant, **cfg,
-        **launch_args(x, pdl))
-    return out
+        float(torch.finfo(w.dtype).max), residual, norm_weight, sg, ss, ss_in,
+        ss_in.shape[1] if norm_in is not None else 1, eps, residual.stride(0), sg.stride(0),
+        BLOCK_M=bucket, SPLIT_K=split, EVEN_K=k % (split * cfg["BLOCK_K"]) == 0, PER_CHANNEL=block is None,
+        QUANT=quant, NORM_OUT=norm_out is not None, NORM_IN=norm_in is not None,
+        S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in is not None else 1, **cfg, **launch_args(x, pdl))
+    return out, sg, ss

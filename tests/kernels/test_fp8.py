@@ -118,6 +118,42 @@ def run_gemm_case(case, device, dtype, cfg: dict | None = None) -> None:
         assert _rel(out, ref) < 1e-2, (case, cfg, _rel(out, ref))
 
 
+PENDING_NORM_CASES = [  # (rows, K1, N, N2, block): GEMM ahead [N, K1] leaves the norm, GEMM after [N2, N]
+    (1, 256, 96, 64, None), (3, 384, 256, 128, (128, 128)), (16, 512, 128, 200, (128, 128)),
+]
+
+
+def run_pending_norm_case(case, device, dtype, quant_after: bool = True) -> None:
+    """The FP8 decode GEMM ahead of an RMSNorm (o_proj-like: adds the residual, leaves the norm
+    pending) and the GEMM after it applying it, against fp8_linear_ref + rms_norm_ref; the
+    bf16 skinny GEMM (kernels/triton/linear.py) takes the same pending norm. quant_after: the
+    GEMM after quantizes its rows itself (off in the interpreter, whose e4m3 cast misrounds)."""
+    from tandem.kernels.norm import rms_norm_ref
+    from tandem.kernels.triton.fp8_skinny import fp8_skinny_add_norm_triton, fp8_skinny_normed_triton
+    from tandem.kernels.triton.linear import skinny_linear_normed_triton
+    m, k1, n, n2, block = case
+    g = torch.Generator().manual_seed(m * 100 + n)
+    (q1, s1), (q2, s2) = (quantize_weight(torch.randn(n, k1, generator=g) * 0.05, dtype, block),
+                          quantize_weight(torch.randn(n2, n, generator=g) * 0.05, dtype, block))
+    act = torch.float16 if device == "cpu" else torch.bfloat16
+    x = _exact_rows(m, k1, dtype, g) if device == "cpu" else torch.randn(m, k1, generator=g).to(act)
+    res, nw = torch.randn(m, n, generator=g).to(act), (1 + 0.3 * torch.randn(n, generator=g)).to(act)
+    w_dense = (torch.randn(n2, n, generator=g) / n**0.5).to(act)
+    q1, s1, q2, s2, x, res, nw, w_dense = (t.to(device) for t in (q1, s1, q2, s2, x, res, nw, w_dense))
+    ahead = dict(BLOCK_N=16, BLOCK_K=128, SPLIT_K=2 if k1 >= 256 else 1, QUANT=True, num_warps=2, num_stages=4)
+    after = dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, QUANT=quant_after, num_warps=2, num_stages=4)
+    s_ref = (fp8_linear_ref(x.float(), q1, s1, block).to(act).float() + res.float()).to(act)
+    h_ref = rms_norm_ref(s_ref, nw, 1e-6)
+    y_ref = fp8_linear_ref(h_ref.float(), q2, s2, block)
+    for _ in range(2):  # the second call sees the split-K tickets the first put back
+        s, sg, ss = fp8_skinny_add_norm_triton(x, q1, s1, block, res, nw, ahead)
+        assert _rel(s, s_ref) < 1e-2 and _rel(sg, s_ref.float() * nw.float()) < 1e-2, case
+        y = fp8_skinny_normed_triton(sg, q2, s2, block, ss, 1e-6, after)
+        assert _rel(y, y_ref) < 2e-2, (case, _rel(y, y_ref))  # (it quantizes s * g, the reference the norm)
+        dense = skinny_linear_normed_triton(sg, w_dense, ss, 1e-6)
+        assert _rel(dense, h_ref.double() @ w_dense.double().t()) < 5e-3, case
+
+
 def run_moe_case(case, device, dtype) -> None:
     from tandem.kernels.triton.fp8 import fused_experts_fp8_triton
     t, h, i, e, k, block = case
@@ -162,7 +198,9 @@ def _interpreter_main() -> None:
             results[f"skinny{idx}"] = ""
         except Exception as exc:  # reported per case by the parent
             results[f"skinny{idx}"] = f"{type(exc).__name__}: {exc}"
-    for kind, cases, fn in (("gemm", GEMM_CASES, run_gemm_case), ("moe", MOE_CASES, run_moe_case)):
+    pending = lambda case, device, dtype: run_pending_norm_case(case, device, dtype, quant_after=False)  # noqa: E731
+    for kind, cases, fn in (("gemm", GEMM_CASES, run_gemm_case), ("moe", MOE_CASES, run_moe_case),
+                            ("pending", PENDING_NORM_CASES, pending)):
         for idx, case in enumerate(cases):
             try:
                 fn(case, "cpu", E4M3)
@@ -185,6 +223,7 @@ def interpreter_results():
 
 @pytest.mark.parametrize("case", ["quant"] + [f"gemm{i}" for i in range(len(GEMM_CASES))] +
                          [f"skinny{i}" for i in range(len(SKINNY_CASES))] +
+                         [f"pending{i}" for i in range(len(PENDING_NORM_CASES))] +
                          [f"moe{i}" for i in range(len(MOE_CASES))])
 def test_fp8_kernel_in_interpreter(interpreter_results, case):
     assert interpreter_results[case] == "", interpreter_results[case]
@@ -213,6 +252,13 @@ def test_fp8_gemm_gpu(case):
 @pytest.mark.parametrize("case", SKINNY_CASES)
 def test_fp8_skinny_plans_gpu(case):
     run_gemm_case(case[:4], "cuda", _gpu_fp8(), case[4])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PENDING_NORM_CASES)
+@pytest.mark.parametrize("quant_after", [True, False])
+def test_fp8_pending_norm_gpu(case, quant_after):
+    run_pending_norm_case(case, "cuda", _gpu_fp8(), quant_after)
 
 
 @pytest.mark.gpu
@@ -296,14 +342,17 @@ def test_fp8_gemm_plans_compile_for_sm90():
     from tandem.kernels.triton.fp8 import _fp8_gemm_kernel
     from tandem.kernels.triton.fp8_skinny import _fp8_skinny_kernel
     ptrs = dict(xs_ptr="*fp32", as_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32",
-                ticket_ptr="*i32", a_ptr="*fp8e4nv", fp8_max="fp32")
+                ticket_ptr="*i32", a_ptr="*fp8e4nv", fp8_max="fp32", res_ptr="*bf16", g_ptr="*bf16", sg_ptr="*bf16",
+                ss_ptr="*fp32", ss_in_ptr="*fp32", eps="fp32")
     for kind, block_k, rows, plan in _sm90_plans():
         p = dict(plan)
         warps, stages = p.pop("num_warps"), p.pop("num_stages")
         if kind == "skinny":
             quant = p.pop("QUANT")
+            norm_out = rows == 16 and quant  # the GEMM ahead of a pending norm (NORM_OUT) at 16 rows
             consts = dict(BLOCK_M=rows, SPLIT_K=p.pop("SPLIT_K"), EVEN_K=True, PER_CHANNEL=block_k is None,
-                          QUANT=quant, PDL=True, **p)
+                          QUANT=quant, NORM_OUT=norm_out, NORM_IN=rows == 16 and not norm_out, S_PAD=256, PDL=True,
+                          **p)
             compiled = _compile_sm90(_fp8_skinny_kernel, dict(ptrs, x_ptr="*bf16" if quant else "*fp8e4nv"), consts,
                                      warps, stages)
         else:
