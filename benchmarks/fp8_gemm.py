@@ -72,8 +72,8 @@ def _skinny_candidates(m: int, n: int, k: int, block_k) -> list[dict]:
     out = []
     for bn, split, quant in itertools.product((16, 32, 64), (1, 2, 4, 8), quants):
         if k % (split * bk) == 0:
-            out.append(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, QUANT=quant, num_warps=2 if bn <= 32 else 4,
-                            num_stages=4))
+            warps = 4 if bucket == 64 or bn == 64 else 2
+            out.append(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, QUANT=quant, num_warps=warps, num_stages=4))
     return out
 
 
@@ -83,13 +83,13 @@ def _prefill_candidates(block_k) -> list[dict]:
     return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
 
 
-def sweep_rows(rows_list=(1, 16, 64, 4096)) -> list[dict]:
+def sweep_rows(rows_list=(1, 64, 4096)) -> list[dict]:
     """Every candidate plan per shape and layout; prints the best of each and returns all rows."""
     from triton.testing import do_bench
 
     from tandem.kernels.fp8 import fp8_linear_ref
     from tandem.kernels.triton.fp8 import fp8_linear_triton
-    from tandem.kernels.triton.fp8_skinny import MAX_ROWS
+    from tandem.kernels.triton.fp8_skinny import MAX_ROWS, row_bucket
     rows, best = [], []
     for m in rows_list:
         for n, k in SHAPES:
@@ -112,9 +112,11 @@ def sweep_rows(rows_list=(1, 16, 64, 4096)) -> list[dict]:
                         continue
                     timed.append((ms, cand))
                     rows.append(_row(m, n, k, block, ms, ref_ms, cand))
+                if not timed:
+                    continue
                 ms, cand = min(timed, key=lambda t: t[0])
-                best.append(f"{m:>5} {n:>6}x{k:<6} {'block' if block else 'channel':<8} {ms * 1e3:8.1f} us "
-                            f"({ref_ms / ms:4.0%} of _scaled_mm) {cand}")
-    print("best plan per shape:")
+                key = (row_bucket(m), n, k, block is not None) if m <= MAX_ROWS else (m, n, k, block is not None)
+                best.append(f"    {key}: {cand},  # {ms * 1e3:.1f} us, {ref_ms / ms:.0%} of _scaled_mm")
+    print("best plan per shape (decode rows: fp8_skinny.PLANS entries):")
     print("\n".join(best))
     return rows

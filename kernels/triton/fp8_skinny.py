@@ -164,19 +164,20 @@ PLANS: dict[tuple[int, int, int, bool], dict] = {}
 
 
 def default_plan(bucket: int, n: int, k: int, block_k: int | None, sms: int = 132) -> dict:
-    """The rule: weight tiles of 4-8 KB (BLOCK_K the K block when block-scaled, 256-512 deep
-    per-channel), strips as narrow as the rows allow (the x tile is re-read per strip), K split
-    in two until the grid has ~2 programs per SM or a split would be under 4 tiles deep;
-    in-kernel activation quantization at 16 rows block-scaled (one tile per group, nothing read
-    twice) and at the 16-row bucket per-channel only when K is short."""
-    bn = {16: 32 if block_k else 16, 32: 32, 64: 64}[bucket]
+    """The rule: weight tiles of 4-8 KB (BLOCK_K the K block when block-scaled, 128-512 deep
+    per-channel), 16-32 column strips; K split in two until the grid has ~2 programs per SM, while
+    a split stays >= 4 tiles deep and the float32 partials (split x rows x 4 B, written and read
+    per column) stay under a quarter of the weight's K bytes per column; the activation
+    quantization in the GEMM at 16 rows block-scaled (one tile per group, nothing read twice)
+    and per-channel only for K <= 4096 (every program reads its rows' whole K first)."""
+    bn = 16 if bucket == 16 and block_k is None else 32
     bk = block_k if block_k else {16: 512, 32: 256, 64: 128}[bucket]
     strips = triton.cdiv(n, bn)
     split = 1
-    while strips * split < 2 * sms and k // (2 * split) >= 4 * bk and split < 16:
+    while strips * split < 2 * sms and k // (2 * split) >= 4 * bk and 2 * split * bucket * 32 <= k and split < 16:
         split *= 2
     quant = bucket == 16 and (block_k is not None or k <= 4096)
-    return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, QUANT=quant, num_warps=2 if bn <= 32 else 4,
+    return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, QUANT=quant, num_warps=4 if bucket == 64 else 2,
                 num_stages=4)
 
 
