@@ -19,12 +19,14 @@ import triton.language as tl
 
 from tandem.kernels.triton import fp8_skinny
 from tandem.kernels.triton.moe import _align, _sum_topk, gated_scatter_store
+from tandem.kernels.triton.pdl import launch_args, wait_previous
 
 
 @triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, G, fp8_max,
-                       GROUP: tl.constexpr, BLOCK: tl.constexpr):
+                       GROUP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (row, group): s = amax(|x|) / fp8_max over the group's GROUP columns, q = x / s."""
+    wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1)
     lo = grp * GROUP
@@ -45,9 +47,10 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, G, fp8_max,
 
 @triton.jit
 def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, G, fp8_max,
-                         GROUP: tl.constexpr, GROUPS: tl.constexpr):
+                         GROUP: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr):
     """Program (row, GROUPS consecutive groups of GROUP columns): each group's scale and values in
     one pass, the tile held in registers (fp8_skinny._quant_tile, as the decode GEMM does)."""
+    wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     gi = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
@@ -58,10 +61,11 @@ def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, G, fp8_max,
     tl.store(q_ptr + row * stride_q + cols, q, mask=mask)
 
 
-def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, group: int | None,
+                         pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels.fp8.quantize_rows on the GPU. x: [M, K] -> (q [M, K] dtype, s [M, G] float32).
     Groups of a power of two <= 1024 columns: 1024 columns a program, one pass; per token: a
-    program per row, two passes over it."""
+    program per row, two passes over it. pdl: launched with PDL (the decode GEMM's, which is)."""
     m, k = x.shape
     group = group or k
     g = triton.cdiv(k, group)
@@ -73,11 +77,12 @@ def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, group: int | None)
     if group <= 1024 and group & (group - 1) == 0:
         groups = 1024 // group
         _quant_groups_kernel[(m, triton.cdiv(g, groups))](x, q, s, k, x.stride(0), q.stride(0), g, fmax,
-                                                          GROUP=group, GROUPS=groups, num_warps=4)
+                                                          GROUP=group, GROUPS=groups, num_warps=4,
+                                                          **launch_args(x, pdl))
     else:
         block = min(1024, triton.next_power_of_2(group))
         _quant_rows_kernel[(m, g)](x, q, s, k, x.stride(0), q.stride(0), g, fmax, GROUP=group, BLOCK=block,
-                                   num_warps=4)
+                                   num_warps=4, **launch_args(x, pdl))
     return q, s
 
 

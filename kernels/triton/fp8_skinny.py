@@ -261,7 +261,7 @@ def _launch(x, w, w_scale, block, cfg, pdl, norm_out=None, norm_in=None):
     ss = torch.empty(NORM_ROWS, strips, device=x.device, dtype=torch.float32) if norm_out is not None else out
     xs = x  # (unused with QUANT)
     if not quant:
-        x, xs = quantize_rows_triton(x, w.dtype, block[1] if block else None)
+        x, xs = quantize_rows_triton(x, w.dtype, block[1] if block else None, pdl)
     w_scale = w_scale.contiguous()
     part = torch.empty(split, bucket, n, device=x.device, dtype=torch.float32) if split > 1 else out
     residual, norm_weight = norm_out if norm_out is not None else (out, out)
