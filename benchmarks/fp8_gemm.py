@@ -115,7 +115,7 @@ def sweep_rows(rows_list=(1, 64, 4096)) -> list[dict]:
                 if not timed:
                     continue
                 ms, cand = min(timed, key=lambda t: t[0])
-                key = (row_bucket(m), n, k, block is not None) if m <= MAX_ROWS else (m, n, k, block is not None)
+                key = (row_bucket(m) if m <= MAX_ROWS else m, n, k, bk)
                 best.append(f"    {key}: {cand},  # {ms * 1e3:.1f} us, {ref_ms / ms:.0%} of _scaled_mm")
     print("best plan per shape (decode rows: fp8_skinny.PLANS entries):")
     print("\n".join(best))

@@ -17,9 +17,9 @@ kernels.fp8.quantize_rows does, instead of a quantization launch ahead of it:
     whole K, which is why plans turn it on only for very few rows); the sum is scaled at the end.
 Without QUANT, x is fp8 with its scales from kernels/triton/fp8.py's quantize_rows_triton.
 
-Tile plans come from PLANS, keyed by (row bucket, N, K, block-scaled) with a rule-made default
-(plan()); `plans()` lists every distinct one a model's shapes can take, for compile-ahead and the
-benchmark sweep. No autotuning at serve time.
+Tile plans come from PLANS, keyed by (row bucket, N, K, K block) with a rule-made default
+(plan()); `plans()` lists every distinct one a model's shapes can take. No autotuning at serve
+time: a plan is a function of the shape, so compile-ahead builds every one it will use.
 """
 import torch
 import triton
@@ -157,10 +157,10 @@ def row_bucket(m: int) -> int:
     return next(b for b in ROW_BUCKETS if m <= b)
 
 
-# Hand-set plans for the shapes measured (Llama-3-8B projections at TP 1): (row bucket, N, K,
-# block-scaled) -> plan. Everything else takes default_plan's rule. benchmarks/roofline.py
-# --fp8-sweep times the candidates of each shape against torch._scaled_mm.
-PLANS: dict[tuple[int, int, int, bool], dict] = {}
+# Hand-set plans: (row bucket, N, K, the weight's K block or None per-channel) -> plan, as
+# `python -m benchmarks.roofline --models --fp8-sweep` prints them (it checks and times the
+# candidates of each Llama-3-8B projection). None measured yet: every shape takes default_plan.
+PLANS: dict[tuple[int, int, int, int | None], dict] = {}
 
 
 def default_plan(bucket: int, n: int, k: int, block_k: int | None, sms: int = 132) -> dict:
@@ -185,12 +185,12 @@ def plan(m: int, n: int, k: int, block_k: int | None, sms: int = 132) -> dict:
     """The tile plan for m <= MAX_ROWS rows of x @ w.T, w [N, K] (block_k: the weight's K block,
     None per-channel)."""
     bucket = row_bucket(m)
-    return dict(PLANS.get((bucket, n, k, block_k is not None)) or default_plan(bucket, n, k, block_k, sms))
+    return dict(PLANS.get((bucket, n, k, block_k)) or default_plan(bucket, n, k, block_k, sms))
 
 
 def plans(shapes: list[tuple[int, int]], block_k: int | None, sms: int = 132) -> list[tuple[int, dict]]:
-    """Every (row bucket, plan) the weights [N, K] in `shapes` can take: what compile-ahead and
-    the benchmark enumerate."""
+    """Every (row bucket, plan) the weights [N, K] in `shapes` can take (the sm_90 compile test
+    enumerates them; compile-ahead reaches them by running a batch per row bucket: fp8.plan_key)."""
     out = []
     for bucket in ROW_BUCKETS:
         for n, k in shapes:
