@@ -61,7 +61,39 @@ def kernel_rows() -> list[dict]:
                 chosen = plan(m, n, k, bk) if m <= MAX_ROWS else gemm_config(m, n, bk)
                 ms = do_bench(lambda: fp8_linear_triton(x, wq, ws, block))
                 rows.append(_row(m, n, k, block, ms, ref_ms, chosen))
+                if block and m > MAX_ROWS:
+                    rows += _blockwise_scaled_mm_row(x, wq, ws, ref_ms)
     return rows
+
+
+def _blockwise_scaled_mm_row(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, ref_ms: float) -> list[dict]:
+    """torch's own block-scaled GEMM (F.scaled_mm, 1x128 activations x 128x128 weights; CUTLASS on
+    sm_90) on the same operands, activation quantization included as in ours: whether prefill
+    should go to it as bf16 prefill goes to cuBLAS. Reported and skipped where this torch or GPU
+    lacks it."""
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from tandem.kernels.triton.fp8 import quantize_rows_triton
+    m, k = x.shape
+    n = wq.shape[0]
+
+    def run():
+        xq, xs = quantize_rows_triton(x, wq.dtype, 128)
+        return F.scaled_mm(xq, wq.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128, ws.t(),
+                           F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+    try:
+        from tandem.kernels.fp8 import fp8_linear_ref
+        ref = fp8_linear_ref(x, wq, ws, (128, 128)).float()
+        err = ((run().float() - ref).norm() / ref.norm()).item()
+        ms = do_bench(run)
+    except Exception as exc:  # not in this torch / on this GPU: say so
+        print(f"torch blockwise scaled_mm {m}x{n}x{k}: {type(exc).__name__}: {exc}"[:300], flush=True)
+        return []
+    row = dict(model="fp8-gemm", what=f"{m}x{n}x{k} block torch", ms=ms, floor_ms=ref_ms, of_floor=ref_ms / ms,
+               plan=f"F.scaled_mm blockwise, relative error {err:.2g}")
+    print("measured:", row, flush=True)
+    return [row]
 
 
 def _skinny_candidates(m: int, n: int, k: int, block_k) -> list[dict]:
