@@ -9,10 +9,12 @@ FP8 (--fp8 block|channel): the same models with FP8 weights (block: the Hugging 
 layout in config.json; channel: --quantization fp8), optionally --kv-cache-dtype fp8. The HBM
 floor then counts the fp8 weight and scale bytes; the prefill floor uses the FP8 matmul rate
 (torch._scaled_mm at 8192^3) for the GEMMs, and --fp8-kernels times each FP8 GEMM against
-torch._scaled_mm (row-wise scales) on the same shapes.
+torch._scaled_mm (row-wise scales) on the same shapes; --fp8-sweep times every candidate tile plan
+(benchmarks/fp8_gemm.py).
 
   python -m benchmarks.roofline --out results.json
   python -m benchmarks.roofline --fp8 block --kv-cache-dtype fp8 --fp8-kernels --out fp8.json
+  python -m benchmarks.roofline --models --fp8-sweep --out sweep.json
 """
 import argparse
 import dataclasses
@@ -86,30 +88,6 @@ def fp8_matmul_rate() -> float:
         torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     torch.cuda.synchronize()
     return 10 * 2 * 8192**3 / (time.perf_counter() - t)
-
-
-def fp8_kernel_rows() -> list[dict]:
-    """Each FP8 GEMM (ours, block [128, 128] and per-channel) vs torch._scaled_mm with row-wise
-    scales on the same fp8 operands and shape (Llama-8B projections at decode and prefill rows)."""
-    from triton.testing import do_bench
-
-    from tandem.kernels.fp8 import fp8_dtype, quantize_weight
-    from tandem.kernels.triton.fp8 import fp8_linear_triton
-    dt, rows = fp8_dtype("cuda"), []
-    for m in (1, 16, 64, 4096):
-        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(n, k, device="cuda") * 0.02
-            xq, wq_c = x.to(dt), quantize_weight(w, dt)[0]
-            sa, sb = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
-            ref_ms = do_bench(lambda: torch._scaled_mm(xq, wq_c.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
-            for block in ((128, 128), None):
-                wq, ws = quantize_weight(w, dt, block)
-                ms = do_bench(lambda: fp8_linear_triton(x, wq, ws, block))
-                rows.append(dict(model="fp8-gemm", what=f"{m}x{n}x{k} {'block' if block else 'channel'}",
-                                 ms=ms, floor_ms=ref_ms, of_floor=ref_ms / ms))
-                print("measured:", rows[-1], flush=True)
-    return rows
 
 
 def kernel_flags(ap: argparse.ArgumentParser) -> None:
@@ -220,7 +198,7 @@ def kv_bytes(runner, batch: int, context: int) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=list(MODELS),
+    ap.add_argument("--models", nargs="*", default=list(MODELS),
                     help="run one model per process on an 80 GB GPU: a finished model's memory is not all returned")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
@@ -232,16 +210,19 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the engine's --kv-cache-dtype")
     ap.add_argument("--fp8-kernels", action="store_true",
                     help="also time each FP8 GEMM against torch._scaled_mm on the same shapes")
+    ap.add_argument("--fp8-sweep", action="store_true",
+                    help="also time every candidate FP8 GEMM tile plan per shape and print the best")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     kernels = kernel_kwargs(args)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     bw, mm = copy_bandwidth(), matmul_rate()
     dev = torch.cuda.get_device_name()
-    mm8 = fp8_matmul_rate() if args.fp8 != "none" or args.fp8_kernels else None
+    mm8 = fp8_matmul_rate() if args.fp8 != "none" or args.fp8_kernels or args.fp8_sweep else None
     print(f"{dev}: copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s"
           + (f", fp8 matmul {mm8 / 1e12:.0f} TFLOP/s" if mm8 else "") + " (measured now)")
-    rows = fp8_kernel_rows() if args.fp8_kernels else []
+    from benchmarks import fp8_gemm
+    rows = (fp8_gemm.kernel_rows() if args.fp8_kernels else []) + (fp8_gemm.sweep_rows() if args.fp8_sweep else [])
     tag = ("" if args.fp8 == "none" else f" fp8-{args.fp8}") + (" kv-fp8" if args.kv_cache_dtype == "fp8" else "")
     for name in args.models:
         moe = "moe" in MODELS[name]["model_type"]
@@ -270,9 +251,10 @@ def main() -> None:
             print("measured:", rows[-1], flush=True)
         del llm
         torch.cuda.empty_cache()
-    print(f"{'model':<15} {'step':<22} {'ms':>8} {'floor ms':>9} {'of floor':>9}")
+    print(f"{'model':<15} {'step':<26} {'ms':>8} {'floor ms':>9} {'of floor':>9}  plan")
     for r in rows:
-        print(f"{r['model']:<15} {r['what']:<22} {r['ms']:>8.2f} {r['floor_ms']:>9.2f} {r['of_floor']:>9.0%}")
+        print(f"{r['model']:<15} {r['what']:<26} {r['ms']:>8.4f} {r['floor_ms']:>9.4f} {r['of_floor']:>9.0%}  "
+              f"{r.get('plan', '')}")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=dev, date=time.strftime("%Y-%m-%d"), copy_GBps=bw / 1e9,
                                                   matmul_TFLOPs=mm / 1e12,

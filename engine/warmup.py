@@ -4,10 +4,10 @@ for a Triton compile while serving. Decode-only steps replay CUDA graphs, captur
 
 What makes Triton build a new variant of a kernel: a different value of a constexpr (tile plans
 chosen from token counts: attention's narrow/wide/split launches, the MoE tile config by pairs,
-the skinny GEMM under 16 rows), and for plain int arguments the class of the value (== 1,
-divisible by 16, other) unless the argument is marked do_not_specialize. So a step's variant
-is a function of its token count, sequence count, longest query and context, and whether every
-prefill starts at position 0 (attention then reads the new keys densely). `eager_signature`
+the skinny GEMM under 16 rows, the FP8 GEMM's row buckets), and for plain int arguments the
+class of the value (== 1, divisible by 16, other) unless the argument is marked do_not_specialize.
+So a step's variant is a function of its token count, sequence count, longest query and context,
+and whether every prefill starts at position 0 (attention then reads the new keys densely). `eager_signature`
 maps a batch to the set of variants its launches need (each launch compiles on its own),
 calling the kernels' own plan functions; the warm-up enumerates a grid of batches the scheduler
 can form within its limits and runs each one that needs a variant no earlier one did.
@@ -120,13 +120,13 @@ def warmup_plan(max_tokens: int, max_seqs: int, max_model_len: int, graph_sizes:
 
 
 def attention_plan_fn(launch_plans: Callable, num_heads: int, num_kv_heads: int, head_dim: int,
-                      dtype, block_size: int) -> PlanFn:
+                      dtype, block_size: int, device=None) -> PlanFn:
     """Per attention launch of a batch: its plan (tiles, splits, q range), and the int classes of
     the arguments it specializes on: the sequence count and the block table's row stride (its
-    width: the longest context in blocks)."""
+    width: the longest context in blocks). device: the GPU whose SM count the plans use."""
     import torch
 
-    q = torch.empty(1, 1, 1, dtype=dtype)
+    q = torch.empty(1, 1, 1, dtype=dtype, device=device)
 
     def launches(b: WarmupBatch) -> tuple:
         plans = launch_plans(q.expand(b.num_tokens, num_heads, head_dim), num_heads // num_kv_heads,
@@ -145,7 +145,12 @@ def _kernel_plan_fns(runner) -> tuple[PlanFn, ...]:
     except ImportError:
         return ()
     a = runner.attention_layers[0]
-    fns = (attention_plan_fn(_launch_plans, a.num_heads, a.num_kv_heads, a.head_dim, runner.dtype, runner.block_size),)
+    fns = (attention_plan_fn(_launch_plans, a.num_heads, a.num_kv_heads, a.head_dim, runner.dtype, runner.block_size,
+                             runner.device),)
+    fp8 = next((m for m in runner.model.modules() if hasattr(m, "fp8_block") and hasattr(m, "weight_scale")), None)
+    if fp8 is not None:  # the FP8 GEMM's tile family by rows (decode-tile row buckets, prefill tiles)
+        from tandem.kernels.triton.fp8 import plan_key
+        fns += (lambda b: (plan_key(b.num_tokens, fp8.fp8_block),),)
     moe = next((m for m in runner.model.modules() if hasattr(m, "top_k") and hasattr(m, "num_experts")), None)
     if moe is None:
         return fns

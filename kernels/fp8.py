@@ -15,6 +15,8 @@ import torch
 
 from tandem.kernels.activation import silu_and_mul_ref
 from tandem.kernels.backend import use_triton
+from tandem.kernels.config import DEFAULT_KERNELS, KernelConfig
+from tandem.kernels.linear import PendingNorm, can_pend
 
 E4M3 = torch.float8_e4m3fn
 
@@ -102,14 +104,49 @@ def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bloc
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """fp8_linear_ref's contract; the Triton FP8 GEMM on GPUs with FP8, else the reference (a GPU
-    without FP8 runs the reference too: dequantize then matmul)."""
+               bias: torch.Tensor | None = None, config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+    """fp8_linear_ref's contract; the Triton FP8 GEMM on GPUs with FP8 (config.pdl: the decode tile
+    launched with PDL), else the reference (a GPU without FP8 runs the reference too: dequantize
+    then matmul)."""
     if use_triton(x) and has_fp8_compute(x.device):
         from tandem.kernels.triton.fp8 import fp8_linear_triton
-        y = fp8_linear_triton(x.reshape(-1, x.shape[-1]), w, w_scale, block).view(*x.shape[:-1], w.shape[0])
+        y = fp8_linear_triton(x.reshape(-1, x.shape[-1]), w, w_scale, block, pdl=config.pdl).view(
+            *x.shape[:-1], w.shape[0])
         return y if bias is None else y + bias
     return fp8_linear_ref(x, w, w_scale, block, bias)
+
+
+def _decode_tile(x: torch.Tensor, block: tuple[int, int] | None, config: KernelConfig) -> bool:
+    """Whether x's rows may leave / take a pending RMSNorm on the FP8 decode tile (a GPU with FP8,
+    config.fuse_norms, <= 16 rows of bf16/fp16, a K block the tile takes)."""
+    if not (can_pend(x, config) and has_fp8_compute(x.device)):
+        return False
+    from tandem.kernels.triton.fp8_skinny import supports
+    return supports(x.shape[0], block)
+
+
+def fp8_linear_add_norm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
+                        residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        config: KernelConfig = DEFAULT_KERNELS) -> PendingNorm | None:
+    """kernels.linear.linear_add_norm with an fp8 weight: x @ w.T + residual with the RMSNorm after
+    it left pending, in one launch of the FP8 decode GEMM; None (nothing run) where that does not
+    apply. x: [T, K]; w: [N, K] fp8; residual: [T, N]; norm_weight: [N]."""
+    if not (_decode_tile(x, block, config) and norm_weight.dtype == residual.dtype == x.dtype):
+        return None
+    from tandem.kernels.triton.fp8_skinny import fp8_skinny_add_norm_triton
+    s, sg, ss = fp8_skinny_add_norm_triton(x, w, w_scale, block, residual, norm_weight, pdl=config.pdl)
+    return PendingNorm(s, sg, ss, norm_weight, eps)
+
+
+def fp8_linear_normed(p: PendingNorm, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
+                      bias: torch.Tensor | None = None, config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+    """rms_norm(p.s) @ w.T (+ bias) with an fp8 weight: the FP8 decode GEMM on p.sg scaled by each
+    row's 1/rms (no norm launch), else the norm then fp8_linear."""
+    if not (_decode_tile(p.sg, block, config) and p.ss.shape[0] == 16):
+        return fp8_linear(p.normed(config), w, w_scale, block, bias, config)
+    from tandem.kernels.triton.fp8_skinny import fp8_skinny_normed_triton
+    y = fp8_skinny_normed_triton(p.sg, w, w_scale, block, p.ss, p.eps, pdl=config.pdl)
+    return y if bias is None else y + bias
 
 
 def fused_experts_fp8_ref(

@@ -21,7 +21,9 @@ from tandem.engine.layers.linear import LinearBase
 from tandem.engine.layers.moe import FusedMoE
 from tandem.engine.parallel import tp_all_reduce, tp_rank, tp_size
 from tandem.engine.quantization import Fp8Scheme, fp8_scheme
-from tandem.kernels.fp8 import E4M3, e4m3fn_to_fnuz, fp8_dtype, fp8_linear, fused_experts_fp8, quantize_weight
+from tandem.engine.layers.norm import DeferredOutput
+from tandem.kernels.fp8 import (E4M3, e4m3fn_to_fnuz, fp8_dtype, fp8_linear, fp8_linear_add_norm, fp8_linear_normed,
+                               fused_experts_fp8, quantize_weight)
 from tandem.kernels.linear import PendingNorm
 
 logger = logging.getLogger(__name__)
@@ -104,16 +106,31 @@ class Fp8Linear:
         self.weight = nn.Parameter(w, requires_grad=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
 
-    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
-        if isinstance(x, PendingNorm):
-            x = x.normed(self.kernels)
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor | DeferredOutput:
+        """x: [T, in] or a PendingNorm of such rows (its norm applied by the FP8 GEMM at decode sizes)
+        -> [T, out]; a row-parallel layer with norm_after (o_proj, down_proj) returns a DeferredOutput
+        (engine/layers/norm.py), as the bf16 RowParallelLinear does."""
+        if getattr(self, "norm_after", False):
+            return DeferredOutput(lambda: self._fp8_compute(x), lambda res, norm: self._fp8_add_norm(x, res, norm))
+        return self._fp8_compute(x)
+
+    def _fp8_compute(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         row_parallel = self.tp_dim == 1 and tp_size() > 1
         bias = None if row_parallel and tp_rank() else self.bias
-        y = fp8_linear(x, self.weight, self.weight_scale, self.fp8_block, bias)
+        if isinstance(x, PendingNorm):
+            y = fp8_linear_normed(x, self.weight, self.weight_scale, self.fp8_block, bias, self.kernels)
+        else:
+            y = fp8_linear(x, self.weight, self.weight_scale, self.fp8_block, bias, self.kernels)
         return tp_all_reduce(y) if row_parallel else y
 
-    def forward_add_norm(self, x, residual, norm) -> None:
-        return None  # (the pending-norm GEMMs are bf16)
+    def _fp8_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> PendingNorm | None:
+        """This layer's output + residual with `norm` left pending for the next GEMM, or None (nothing
+        run) where that does not apply (tensor parallel: the all-reduce comes before the add; a bias;
+        no GPU with FP8; more rows)."""
+        if tp_size() > 1 or self.bias is not None or isinstance(x, PendingNorm):
+            return None
+        return fp8_linear_add_norm(x, self.weight, self.weight_scale, self.fp8_block, residual, norm.weight,
+                                   norm.eps, self.kernels)
 
 
 class Fp8FusedMoE:
@@ -218,15 +235,7 @@ def quantize_layers(model: nn.Module, scheme: Fp8Scheme) -> int:
         module.__class__ = _fp8_class(type(module), mixin)
         module.fp8_init(scheme)
         count += 1
-    if count:  # a bf16 layer left among fp8 ones must not hand a pending norm to an fp8 GEMM
-        for module in model.modules():
-            if isinstance(module, LinearBase) and not isinstance(module, Fp8Linear):
-                module.forward_add_norm = _no_pending_norm
     return count
-
-
-def _no_pending_norm(*args) -> None:
-    return None
 
 
 def quantize_model(model: nn.Module, hf_config, quantization: str | None) -> Fp8Scheme | None:

@@ -7,23 +7,26 @@ Same contracts and layouts as kernels/fp8.py (fp8_linear_ref, fused_experts_fp8_
                ceil(K / bk)] (block), experts stacked on a leading dim
 Block-scaled: each K tile (BLOCK_K divides bk) adds dot(a, w) * a_s[:, kb] * w_s[n // bn, kb] to a
 float32 accumulator; per-channel: one dot over K, scaled by a_s * w_s at the end.
-Tiles: a skinny decode tile for <= 16 rows (BLOCK_M 16, narrow N strips so every SM streams
-weight), wider prefill tiles above. The MoE experts reuse the bf16 kernel's grouping of
-(token, slot) pairs by expert and its top-k sum (kernels/triton/moe.py).
+Tiles: up to fp8_skinny.MAX_ROWS rows the decode tile of kernels/triton/fp8_skinny.py (narrow N
+strips, split K, the activation quantization in the GEMM where its plan says so), above it the
+prefill tile here (grouped tile order, plans in gemm_config). The MoE experts reuse the bf16
+kernel's grouping of (token, slot) pairs by expert, its epilogue and its top-k sum
+(kernels/triton/moe.py).
 """
 import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.triton.moe import _align, _sum_topk
-
-SKINNY_ROWS = 16
+from tandem.kernels.triton import fp8_skinny
+from tandem.kernels.triton.moe import _align, _sum_topk, gated_scatter_store
+from tandem.kernels.triton.pdl import launch_args, wait_previous
 
 
 @triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, G, fp8_max,
-                       GROUP: tl.constexpr, BLOCK: tl.constexpr):
+                       GROUP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (row, group): s = amax(|x|) / fp8_max over the group's GROUP columns, q = x / s."""
+    wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1)
     lo = grp * GROUP
@@ -42,17 +45,44 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, G, fp8_max,
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """kernels.fp8.quantize_rows on the GPU. x: [M, K] -> (q [M, K] dtype, s [M, G] float32)."""
+@triton.jit
+def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, G, fp8_max,
+                         GROUP: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, GROUPS consecutive groups of GROUP columns): each group's scale and values in
+    one pass, the tile held in registers (fp8_skinny._quant_tile, as the decode GEMM does)."""
+    wait_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    gi = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = (cols < K) & (gi < G)[:, None]
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    q, s = fp8_skinny._quant_tile(x, fp8_max, q_ptr.dtype.element_ty)
+    tl.store(s_ptr + row * G + gi, s, mask=gi < G)
+    tl.store(q_ptr + row * stride_q + cols, q, mask=mask)
+
+
+def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, group: int | None,
+                         pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.fp8.quantize_rows on the GPU. x: [M, K] -> (q [M, K] dtype, s [M, G] float32).
+    Groups of a power of two <= 1024 columns: 1024 columns a program, one pass; per token: a
+    program per row, two passes over it. pdl: launched with PDL (the decode GEMM's, which is)."""
     m, k = x.shape
     group = group or k
     g = triton.cdiv(k, group)
     q = torch.empty(m, k, device=x.device, dtype=dtype)
     s = torch.empty(m, g, device=x.device, dtype=torch.float32)
-    if m:
+    if not m:
+        return q, s
+    fmax = float(torch.finfo(dtype).max)
+    if group <= 1024 and group & (group - 1) == 0:
+        groups = 1024 // group
+        _quant_groups_kernel[(m, triton.cdiv(g, groups))](x, q, s, k, x.stride(0), q.stride(0), g, fmax,
+                                                          GROUP=group, GROUPS=groups, num_warps=4,
+                                                          **launch_args(x, pdl))
+    else:
         block = min(1024, triton.next_power_of_2(group))
-        _quant_rows_kernel[(m, g)](x, q, s, k, x.stride(0), q.stride(0), g, float(torch.finfo(dtype).max),
-                                   GROUP=group, BLOCK=block, num_warps=4)
+        _quant_rows_kernel[(m, g)](x, q, s, k, x.stride(0), q.stride(0), g, fmax, GROUP=group, BLOCK=block,
+                                   num_warps=4, **launch_args(x, pdl))
     return q, s
 
 
@@ -83,11 +113,17 @@ def _scaled_dot_loop(a_ptrs, w_ptrs, as_ptrs, ws_ptrs, row_mask, n_mask, K, k_ti
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_am, stride_asm, stride_wn,
                      stride_wsn, stride_om, rows_per_scale, k_tiles_per_group,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      PER_CHANNEL: tl.constexpr, EVEN_K: tl.constexpr):
-    """out [M, N] = a @ w.T with the scales (module docstring); program (N tile, M tile), N fastest."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    """out [M, N] = a @ w.T with the scales (module docstring). One program per output tile, in
+    groups of GROUP_M row tiles that walk the N tiles together: the programs in flight share
+    GROUP_M strips of a and a few of w in L2."""
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * num_n)) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % group_rows
+    pid_n = (pid % (GROUP_M * num_n)) // group_rows
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rm < M
@@ -107,14 +143,16 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_am, 
 
 
 def gemm_config(m: int, n: int, block_k: int | None) -> dict:
-    """Tile plan: the skinny decode tile for <= 16 rows, prefill tiles above (BLOCK_K divides the
-    weight's K block)."""
+    """Tile plan of the prefill tile (more than fp8_skinny.MAX_ROWS rows; BLOCK_K divides the
+    weight's K block): 64-row tiles up to 128 rows; above, 128 x 128 x 128 with 4 stages, 8 warps,
+    and 128 x 256 for per-channel weights of wide N (block-scaled keeps 128 x 128: each K step's
+    product is held beside the accumulator)."""
     bk = min(128, block_k) if block_k else 128
-    if m <= SKINNY_ROWS:
-        return dict(BLOCK_M=16, BLOCK_N=32 if n <= 8192 else 64, BLOCK_K=bk, num_warps=4, num_stages=4)
     if m <= 128:
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=bk, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=bk, GROUP_M=8, num_warps=4, num_stages=4)
+    if block_k is None and n >= 8192:
+        return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=bk, GROUP_M=8, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk, GROUP_M=8, num_warps=8, num_stages=4)
 
 
 def _check_block(block: tuple[int, int] | None) -> None:
@@ -123,25 +161,36 @@ def _check_block(block: tuple[int, int] | None) -> None:
 
 
 def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
-                      cfg: dict | None = None) -> torch.Tensor:
-    """kernels.fp8.fp8_linear_ref on the GPU (no bias). x: [M, K] bf16/fp16; w: [N, K] fp8 -> [M, N]."""
+                      cfg: dict | None = None, pdl: bool = True) -> torch.Tensor:
+    """kernels.fp8.fp8_linear_ref on the GPU (no bias). x: [M, K] bf16/fp16; w: [N, K] fp8 -> [M, N].
+    Up to fp8_skinny.MAX_ROWS rows the decode tile (kernels/triton/fp8_skinny.py; pdl: launched with
+    PDL), else the prefill tile. cfg: a plan of either (SPLIT_K in it: the decode tile's)."""
     _check_block(block)
     m, k = x.shape
+    if (cfg is None and fp8_skinny.supports(m, block)) or (cfg is not None and "SPLIT_K" in cfg):
+        return fp8_skinny.fp8_skinny_linear_triton(x, w, w_scale, block, cfg, pdl)
     n = w.shape[0]
     xq, xs = quantize_rows_triton(x, w.dtype, block[1] if block else None)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return out
     cfg = cfg or gemm_config(m, n, block[1] if block else None)
-    meta = {key: cfg[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
+    meta = {key: cfg[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")}
     w_scale = w_scale.contiguous()
-    grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))
+    grid = (triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(m, meta["BLOCK_M"]),)
     _fp8_gemm_kernel[grid](
         xq, xs, w, w_scale, out, m, n, k, xq.stride(0), xs.stride(0), w.stride(0),
         w_scale.stride(0) if block else 1, out.stride(0), block[0] if block else 1,
         block[1] // meta["BLOCK_K"] if block else 1, PER_CHANNEL=block is None,
         EVEN_K=k % meta["BLOCK_K"] == 0, **meta)
     return out
+
+
+def plan_key(m: int, block: tuple[int, int] | None) -> str:
+    """Which tile family m rows take (compile-ahead keys its warm-up batches on it)."""
+    if fp8_skinny.supports(m, block):
+        return f"skinny{fp8_skinny.row_bucket(m)}"
+    return "prefill64" if m <= 128 else "prefill128"
 
 
 @triton.jit
@@ -179,27 +228,18 @@ def _fp8_grouped_gemm_kernel(
     ws_ptrs = ws_ptr + e64 * stride_wse + (rn64 // rows_per_scale) * stride_wsn
     acc = _scaled_dot_loop(a_ptrs, w_ptrs, as_ptrs, ws_ptrs, row_mask, n_mask, K, k_tiles_per_group,
                            BLOCK_M, BLOCK_N, BLOCK_K, PER_CHANNEL, EVEN_K)
-    out_ty = out_ptr.dtype.element_ty
     a_s = tl.load(as_ptrs, mask=row_mask, other=0.0)[:, None]
     if PER_CHANNEL:
         acc *= a_s * tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
-    if GATED:  # rounded like the reference: silu(gate) * up on out-dtype values
+    up = acc
+    if GATED:
         up_ws = ws_ptr + e64 * stride_wse + ((rn64 + N) // rows_per_scale) * stride_wsn
         up = _scaled_dot_loop(a_ptrs, w_ptrs + N * stride_wn, as_ptrs, up_ws, row_mask, n_mask, K,
                               k_tiles_per_group, BLOCK_M, BLOCK_N, BLOCK_K, PER_CHANNEL, EVEN_K)
         if PER_CHANNEL:
             up *= a_s * tl.load(up_ws, mask=n_mask, other=0.0)[None, :]
-        gate = acc.to(out_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
-        acc = act * up.to(out_ty).to(tl.float32)
-    if SCATTER_OUT:
-        weight = tl.load(topk_w_ptr + pair, mask=row_mask, other=0.0).to(out_ty).to(tl.float32)
-        acc = acc.to(out_ty).to(tl.float32) * weight[:, None]
-        out_row = pair
-    else:
-        out_row = own_row
-    tl.store(out_ptr + out_row[:, None] * stride_om + rn[None, :], acc.to(out_ty),
-             mask=row_mask[:, None] & n_mask[None, :])
+    gated_scatter_store(out_ptr, stride_om, acc, up, own_row, pair, row_mask, rn, n_mask, topk_w_ptr,
+                        GATED, SCATTER_OUT)
 
 
 def moe_config(num_pairs: int, num_experts: int, block_k: int | None) -> dict:

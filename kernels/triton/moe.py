@@ -214,6 +214,28 @@ def _rank_pair(logits_ptr, stride_l, pair, num_experts, rounds, TOP_K: tl.conste
 
 
 @triton.jit
+def gated_scatter_store(out_ptr, stride_om, acc, acc_up, own_row, pair, row_mask, rn, n_mask, topk_w_ptr,
+                        GATED: tl.constexpr, SCATTER_OUT: tl.constexpr):
+    """The expert GEMMs' epilogue (bf16 and fp8, kernels/triton/fp8.py): acc / acc_up [BLOCK_M, BLOCK_N]
+    float32 (gate and up with GATED; acc_up unused without). GATED: silu(gate) * up, rounded like the
+    reference (on out-dtype values); SCATTER_OUT: the row goes to out[pair] times topk_w[pair], else
+    to out[own_row]. Columns rn (n_mask), rows row_mask."""
+    out_ty = out_ptr.dtype.element_ty
+    if GATED:
+        gate = acc.to(out_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+        acc = act * acc_up.to(out_ty).to(tl.float32)
+    if SCATTER_OUT:
+        weight = tl.load(topk_w_ptr + pair, mask=row_mask, other=0.0).to(out_ty).to(tl.float32)
+        acc = acc.to(out_ty).to(tl.float32) * weight[:, None]
+        out_row = pair
+    else:
+        out_row = own_row
+    tl.store(out_ptr + out_row[:, None] * stride_om + rn[None, :], acc.to(out_ty),
+             mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, topk_w_ptr,
     N, K, stride_am, stride_we, stride_wn, stride_om, num_n_tiles, num_experts, sum_ptr, ticket_ptr,
@@ -307,22 +329,11 @@ def _grouped_gemm_kernel(
             acc_up = tl.dot(a, w_up.to(a.dtype), acc_up)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    out_ty = out_ptr.dtype.element_ty
     if NORM_IN:
         acc *= rstd[:, None]
         acc_up *= rstd[:, None]
-    if GATED:  # rounded like the reference: silu(gate) * up on x.dtype values
-        gate = acc.to(out_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
-        acc = act * acc_up.to(out_ty).to(tl.float32)
-    if SCATTER_OUT:
-        weight = tl.load(topk_w_ptr + pair, mask=row_mask, other=0.0).to(out_ty).to(tl.float32)
-        acc = acc.to(out_ty).to(tl.float32) * weight[:, None]
-        out_row = pair
-    else:
-        out_row = own_row
-    tl.store(out_ptr + out_row[:, None] * stride_om + rn[None, :], acc.to(out_ty),
-             mask=row_mask[:, None] & n_mask[None, :])
+    gated_scatter_store(out_ptr, stride_om, acc, acc_up, own_row, pair, row_mask, rn, n_mask, topk_w_ptr,
+                        GATED, SCATTER_OUT)
     if FUSED_SUM:
         token = (block // TOP_K).to(tl.int64)
         tl.debug_barrier()  # every thread's part of the row is written before the ticket is taken

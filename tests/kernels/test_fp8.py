@@ -71,25 +71,87 @@ def test_fp8_experts_ref_close_to_bf16_experts():
 
 # ---- Triton kernels: the same cases in the interpreter (CPU) and on a GPU -------------------------
 
-GEMM_CASES = [  # (rows, N, K, block)
+GEMM_CASES = [  # (rows, N, K, block): the tile plans the kernels pick
     (1, 96, 256, None), (3, 200, 384, (128, 128)), (16, 64, 200, (1, 128)), (40, 130, 256, (128, 128)),
-    (150, 96, 128, None),
+    (150, 96, 128, None), (70, 64, 256, (128, 128)),
+]
+SKINNY_CASES = [  # (rows, N, K, block, decode-tile plan): every branch of kernels/triton/fp8_skinny.py
+    # per-channel, quantized in the GEMM, N strips past N, K split in 4 (tickets)
+    (3, 40, 1024, None, dict(BLOCK_N=16, BLOCK_K=128, SPLIT_K=4, QUANT=True, num_warps=2, num_stages=4)),
+    # block-scaled, quantized in the GEMM per K tile, the last split one tile deep
+    (2, 200, 384, (128, 128), dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, QUANT=True, num_warps=2, num_stages=4)),
+    # block-scaled with row scales (bn 1), quantized ahead, 32-row tile
+    (20, 64, 256, (1, 128), dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, QUANT=False, num_warps=2, num_stages=4)),
+    # per-channel quantized ahead, 64-row tile, ragged K (the second split is masked)
+    (50, 72, 200, None, dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, QUANT=False, num_warps=4, num_stages=4)),
+    # block-scaled, K 300 split in 4: the last split is past K (reads nothing, scale index clamped)
+    (5, 48, 300, (128, 128), dict(BLOCK_N=16, BLOCK_K=128, SPLIT_K=4, QUANT=True, num_warps=2, num_stages=4)),
+    # per-channel quantized in the GEMM, ragged K, no split
+    (1, 24, 200, None, dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, QUANT=True, num_warps=2, num_stages=4)),
 ]
 MOE_CASES = [  # (tokens, hidden, inter, experts, top_k, block)
     (1, 128, 256, 8, 2, (128, 128)), (5, 128, 128, 4, 2, None), (70, 256, 128, 8, 3, (128, 128)),
 ]
 
 
-def run_gemm_case(case, device, dtype) -> None:
+def _exact_rows(m: int, k: int, dtype, g: torch.Generator) -> torch.Tensor:
+    """fp16 rows that quantize without rounding (for the interpreter, whose e4m3 cast misrounds):
+    e4m3 values times 2^-6 with +-448 in every 32 columns, so every group's scale is 2^-6."""
+    q = (torch.randn(m, k, generator=g) * 60).clamp(-448, 448).to(dtype).float()
+    q[:, ::32] = 448.0 * (torch.randint(0, 2, (m, len(range(0, k, 32))), generator=g) * 2 - 1)
+    return (q * 2.0**-6).half()
+
+
+def run_gemm_case(case, device, dtype, cfg: dict | None = None) -> None:
     from tandem.kernels.triton.fp8 import fp8_linear_triton
     m, n, k, block = case
     g = torch.Generator().manual_seed(m * 1000 + n)
     q, s = quantize_weight(torch.randn(n, k, generator=g) * 0.05, dtype, block)
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16 if device != "cpu" else torch.float16)
+    if device == "cpu":
+        x = _exact_rows(m, k, dtype, g)
+    else:
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     q, s, x = q.to(device), s.to(device), x.to(device)
-    out = fp8_linear_triton(x, q, s, block)
     ref = fp8_linear_ref(x.float(), q, s, block)  # the same quantized activations, float32 matmul
-    assert _rel(out, ref) < 1e-2, (case, _rel(out, ref))
+    for _ in range(2):  # the second call sees the split-K tickets the first put back
+        out = fp8_linear_triton(x, q, s, block, cfg)
+        assert _rel(out, ref) < 1e-2, (case, cfg, _rel(out, ref))
+
+
+PENDING_NORM_CASES = [  # (rows, K1, N, N2, block): GEMM ahead [N, K1] leaves the norm, GEMM after [N2, N]
+    (1, 256, 96, 64, None), (3, 384, 256, 128, (128, 128)), (16, 512, 128, 200, (128, 128)),
+]
+
+
+def run_pending_norm_case(case, device, dtype, quant_after: bool = True) -> None:
+    """The FP8 decode GEMM ahead of an RMSNorm (o_proj-like: adds the residual, leaves the norm
+    pending) and the GEMM after it applying it, against fp8_linear_ref + rms_norm_ref; the
+    bf16 skinny GEMM (kernels/triton/linear.py) takes the same pending norm. quant_after: the
+    GEMM after quantizes its rows itself (off in the interpreter, whose e4m3 cast misrounds)."""
+    from tandem.kernels.norm import rms_norm_ref
+    from tandem.kernels.triton.fp8_skinny import fp8_skinny_add_norm_triton, fp8_skinny_normed_triton
+    from tandem.kernels.triton.linear import skinny_linear_normed_triton
+    m, k1, n, n2, block = case
+    g = torch.Generator().manual_seed(m * 100 + n)
+    (q1, s1), (q2, s2) = (quantize_weight(torch.randn(n, k1, generator=g) * 0.05, dtype, block),
+                          quantize_weight(torch.randn(n2, n, generator=g) * 0.05, dtype, block))
+    act = torch.float16 if device == "cpu" else torch.bfloat16
+    x = _exact_rows(m, k1, dtype, g) if device == "cpu" else torch.randn(m, k1, generator=g).to(act)
+    res, nw = torch.randn(m, n, generator=g).to(act), (1 + 0.3 * torch.randn(n, generator=g)).to(act)
+    w_dense = (torch.randn(n2, n, generator=g) / n**0.5).to(act)
+    q1, s1, q2, s2, x, res, nw, w_dense = (t.to(device) for t in (q1, s1, q2, s2, x, res, nw, w_dense))
+    ahead = dict(BLOCK_N=16, BLOCK_K=128, SPLIT_K=2 if k1 >= 256 else 1, QUANT=True, num_warps=2, num_stages=4)
+    after = dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, QUANT=quant_after, num_warps=2, num_stages=4)
+    s_ref = (fp8_linear_ref(x.float(), q1, s1, block).to(act).float() + res.float()).to(act)
+    h_ref = rms_norm_ref(s_ref, nw, 1e-6)
+    y_ref = fp8_linear_ref(h_ref.float(), q2, s2, block)
+    for _ in range(2):  # the second call sees the split-K tickets the first put back
+        s, sg, ss = fp8_skinny_add_norm_triton(x, q1, s1, block, res, nw, ahead)
+        assert _rel(s, s_ref) < 1e-2 and _rel(sg, s_ref.float() * nw.float()) < 1e-2, case
+        y = fp8_skinny_normed_triton(sg, q2, s2, block, ss, 1e-6, after)
+        assert _rel(y, y_ref) < 2e-2, (case, _rel(y, y_ref))  # (it quantizes s * g, the reference the norm)
+        dense = skinny_linear_normed_triton(sg, w_dense, ss, 1e-6)
+        assert _rel(dense, h_ref.double() @ w_dense.double().t()) < 5e-3, case
 
 
 def run_moe_case(case, device, dtype) -> None:
@@ -110,7 +172,7 @@ def run_moe_case(case, device, dtype) -> None:
 def run_quant_case(device, dtype, exact: bool) -> None:
     from tandem.kernels.triton.fp8 import quantize_rows_triton
     x = torch.randn(5, 300).to(torch.bfloat16 if device != "cpu" else torch.float16).to(device)
-    for group in (None, 128):
+    for group in (None, 128, 32):
         q, s = quantize_rows(x, dtype, group)
         q2, s2 = quantize_rows_triton(x, dtype, group)
         assert torch.allclose(s, s2, rtol=1e-6, atol=0)
@@ -128,8 +190,18 @@ def _interpreter_main() -> None:
         results["quant"] = ""
     except Exception as exc:
         results["quant"] = f"{type(exc).__name__}: {exc}"
-    triton_fp8.quantize_rows_triton = quantize_rows  # (the interpreter's e4m3 cast misrounds; docstring)
-    for kind, cases, fn in (("gemm", GEMM_CASES, run_gemm_case), ("moe", MOE_CASES, run_moe_case)):
+    # (the interpreter's e4m3 cast misrounds; docstring)
+    triton_fp8.quantize_rows_triton = lambda x, dtype, group, pdl=False: quantize_rows(x, dtype, group)
+    skinny = [lambda case=case: run_gemm_case(case[:4], "cpu", E4M3, case[4]) for case in SKINNY_CASES]
+    for idx, fn in enumerate(skinny):
+        try:
+            fn()
+            results[f"skinny{idx}"] = ""
+        except Exception as exc:  # reported per case by the parent
+            results[f"skinny{idx}"] = f"{type(exc).__name__}: {exc}"
+    pending = lambda case, device, dtype: run_pending_norm_case(case, device, dtype, quant_after=False)  # noqa: E731
+    for kind, cases, fn in (("gemm", GEMM_CASES, run_gemm_case), ("moe", MOE_CASES, run_moe_case),
+                            ("pending", PENDING_NORM_CASES, pending)):
         for idx, case in enumerate(cases):
             try:
                 fn(case, "cpu", E4M3)
@@ -151,6 +223,8 @@ def interpreter_results():
 
 
 @pytest.mark.parametrize("case", ["quant"] + [f"gemm{i}" for i in range(len(GEMM_CASES))] +
+                         [f"skinny{i}" for i in range(len(SKINNY_CASES))] +
+                         [f"pending{i}" for i in range(len(PENDING_NORM_CASES))] +
                          [f"moe{i}" for i in range(len(MOE_CASES))])
 def test_fp8_kernel_in_interpreter(interpreter_results, case):
     assert interpreter_results[case] == "", interpreter_results[case]
@@ -173,6 +247,29 @@ def test_fp8_quantize_rows_gpu():
                                                (4096, 4096, 4096, (128, 128)), (512, 12288, 4096, None)])
 def test_fp8_gemm_gpu(case):
     run_gemm_case(case, "cuda", _gpu_fp8())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SKINNY_CASES)
+def test_fp8_skinny_plans_gpu(case):
+    run_gemm_case(case[:4], "cuda", _gpu_fp8(), case[4])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PENDING_NORM_CASES)
+@pytest.mark.parametrize("quant_after", [True, False])
+def test_fp8_pending_norm_gpu(case, quant_after):
+    run_pending_norm_case(case, "cuda", _gpu_fp8(), quant_after)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [None, (128, 128)])
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 32, 33, 64, 65])
+def test_fp8_gemm_model_shapes_gpu(m, block):
+    """Every Llama-3-8B / Qwen3-30B-A3B projection with the plan the kernels pick at m rows (each
+    decode-tile row bucket and its edges, the first prefill tile)."""
+    for n, k in LLAMA_8B + QWEN3_30B:
+        run_gemm_case((m, n, k, block), "cuda", _gpu_fp8())
 
 
 @pytest.mark.gpu
@@ -206,19 +303,63 @@ if __name__ == "__main__":
     _interpreter_main()
 
 
-def test_fp8_gemm_compiles_for_sm90_with_fp8_tensor_cores():
-    """Without a GPU: the prefill tile of the block-scaled GEMM compiles for sm_90 to fp8 wgmma."""
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
+QWEN3_30B = [(5120, 2048), (2048, 4096)]  # its dense projections: qkv, o
+SMEM_LIMIT = 227 * 1024  # an H100's shared memory per block
+
+
+def _compile_sm90(fn, types: dict, consts: dict, num_warps: int, num_stages: int):
+    """Compile a kernel for sm_90 without a GPU, with the pointer/stride divisibility a real launch
+    sees (so loads vectorize and pipeline as they would)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    div16 = [n for n in names if n.endswith("_ptr") or n.startswith("stride_") or n in ("N", "K")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16 if n not in consts}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
 
+
+def _sm90_plans() -> list[tuple]:
+    from tandem.kernels.triton.fp8 import gemm_config
+    from tandem.kernels.triton.fp8_skinny import plans
+    out = []
+    for block_k in (128, None):
+        out += [("skinny", block_k, bucket, p) for bucket, p in plans(LLAMA_8B + QWEN3_30B, block_k)]
+        for m in (128, 4096):
+            for n, _ in LLAMA_8B:
+                p = gemm_config(m, n, block_k)
+                if ("prefill", block_k, m, p) not in out:
+                    out.append(("prefill", block_k, m, p))
+    return out
+
+
+def test_fp8_gemm_plans_compile_for_sm90():
+    """Without a GPU: every tile plan the FP8 GEMMs take for the Llama-3-8B and Qwen3-30B-A3B
+    projections compiles for sm_90 to fp8 tensor-core instructions with pipelined (cp.async)
+    loads, inside an H100's shared memory."""
     from tandem.kernels.triton.fp8 import _fp8_gemm_kernel
-    names = ["a_ptr", "as_ptr", "w_ptr", "ws_ptr", "out_ptr", "M", "N", "K", "stride_am", "stride_asm", "stride_wn",
-             "stride_wsn", "stride_om", "rows_per_scale", "k_tiles_per_group"]
-    sig = dict(zip(names, ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16"] + ["i32"] * 10))
-    consts = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, PER_CHANNEL=False, EVEN_K=True)
-    sig.update({key: "constexpr" for key in consts})
-    compiled = triton.compile(ASTSource(fn=_fp8_gemm_kernel, signature=sig, constexprs=consts),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
-    ptx = compiled.asm["ptx"]
-    assert "wgmma" in ptx and "e4m3" in ptx
+    from tandem.kernels.triton.fp8_skinny import _fp8_skinny_kernel
+    ptrs = dict(xs_ptr="*fp32", as_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32",
+                ticket_ptr="*i32", a_ptr="*fp8e4nv", fp8_max="fp32", res_ptr="*bf16", g_ptr="*bf16", sg_ptr="*bf16",
+                ss_ptr="*fp32", ss_in_ptr="*fp32", eps="fp32")
+    for kind, block_k, rows, plan in _sm90_plans():
+        p = dict(plan)
+        warps, stages = p.pop("num_warps"), p.pop("num_stages")
+        if kind == "skinny":
+            quant = p.pop("QUANT")
+            norm_out = rows == 16 and quant  # the GEMM ahead of a pending norm (NORM_OUT) at 16 rows
+            consts = dict(BLOCK_M=rows, SPLIT_K=p.pop("SPLIT_K"), EVEN_K=True, PER_CHANNEL=block_k is None,
+                          QUANT=quant, NORM_OUT=norm_out, NORM_IN=rows == 16 and not norm_out, S_PAD=256, PDL=True,
+                          **p)
+            compiled = _compile_sm90(_fp8_skinny_kernel, dict(ptrs, x_ptr="*bf16" if quant else "*fp8e4nv"), consts,
+                                     warps, stages)
+        else:
+            consts = dict(PER_CHANNEL=block_k is None, EVEN_K=True, **p)
+            compiled = _compile_sm90(_fp8_gemm_kernel, ptrs, consts, warps, stages)
+        ptx, what = compiled.asm["ptx"], (kind, block_k, rows, plan)
+        assert "e4m3" in ptx and ("wgmma" in ptx or "mma.sync" in ptx), what
+        assert "cp.async" in ptx, what
+        assert compiled.metadata.shared <= SMEM_LIMIT, (what, compiled.metadata.shared)

@@ -1,0 +1,154 @@
+"""The FP8 GEMMs against torch._scaled_mm (row-wise scales, cuBLASLt) on the same fp8 operands and
+shapes, for benchmarks/roofline.py (--fp8-kernels, --fp8-sweep).
+
+Ours is timed from the bf16 activations (its activation quantization included, in the GEMM or as
+the launch ahead of it); _scaled_mm from activations already in fp8, so the ratio is a little
+unfair to ours. Shapes: the Llama-3-8B projections at decode rows (1, 16, 32, 64: the decode
+tile's row buckets) and at 4096 prefill rows, block [128, 128] and per-channel weights.
+
+The sweep checks and times every candidate decode-tile plan (strip width x split count, and the
+activation quantization in the GEMM or ahead of it) and the prefill tiles, and prints the best
+per shape: the data for kernels/triton/fp8_skinny.py's PLANS and fp8.gemm_config.
+"""
+import itertools
+
+import torch
+
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # Llama-3-8B qkv, o, gate_up, down
+ROWS = (1, 16, 32, 64, 4096)
+
+
+def _operands(m: int, n: int, k: int, block):
+    from tandem.kernels.fp8 import fp8_dtype, quantize_weight
+    dt = fp8_dtype("cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda") * 0.02
+    wq, ws = quantize_weight(w, dt, block)
+    return x, wq, ws
+
+
+def _scaled_mm_ms(m: int, n: int, k: int) -> float:
+    from triton.testing import do_bench
+
+    from tandem.kernels.fp8 import fp8_dtype
+    dt = fp8_dtype("cuda")
+    xq = torch.randn(m, k, device="cuda").to(dt)
+    wq = torch.randn(n, k, device="cuda").to(dt)
+    sa, sb = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
+    return do_bench(lambda: torch._scaled_mm(xq, wq.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+
+
+def _row(m, n, k, block, ms, ref_ms, plan) -> dict:
+    row = dict(model="fp8-gemm", what=f"{m}x{n}x{k} {'block' if block else 'channel'}", ms=ms, floor_ms=ref_ms,
+               of_floor=ref_ms / ms, plan=plan)
+    print("measured:", row, flush=True)
+    return row
+
+
+def kernel_rows() -> list[dict]:
+    """Each shape and weight layout with the plan the kernels pick, vs torch._scaled_mm."""
+    from triton.testing import do_bench
+
+    from tandem.kernels.triton.fp8 import fp8_linear_triton, gemm_config
+    from tandem.kernels.triton.fp8_skinny import MAX_ROWS, plan
+    rows = []
+    for m in ROWS:
+        for n, k in SHAPES:
+            ref_ms = _scaled_mm_ms(m, n, k)
+            for block in ((128, 128), None):
+                x, wq, ws = _operands(m, n, k, block)
+                bk = block[1] if block else None
+                chosen = plan(m, n, k, bk) if m <= MAX_ROWS else gemm_config(m, n, bk)
+                ms = do_bench(lambda: fp8_linear_triton(x, wq, ws, block))
+                rows.append(_row(m, n, k, block, ms, ref_ms, chosen))
+                if block and m > MAX_ROWS:
+                    rows += _blockwise_scaled_mm_row(x, wq, ws, ref_ms)
+    return rows
+
+
+def _blockwise_scaled_mm_row(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, ref_ms: float) -> list[dict]:
+    """torch's own block-scaled GEMM (F.scaled_mm, 1x128 activations x 128x128 weights; CUTLASS on
+    sm_90) on the same operands, activation quantization included as in ours: whether prefill
+    should go to it as bf16 prefill goes to cuBLAS. Reported and skipped where this torch or GPU
+    lacks it."""
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from tandem.kernels.triton.fp8 import quantize_rows_triton
+    m, k = x.shape
+    n = wq.shape[0]
+
+    def run():
+        xq, xs = quantize_rows_triton(x, wq.dtype, 128)
+        return F.scaled_mm(xq, wq.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128, ws.t(),
+                           F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+    try:
+        from tandem.kernels.fp8 import fp8_linear_ref
+        ref = fp8_linear_ref(x, wq, ws, (128, 128)).float()
+        err = ((run().float() - ref).norm() / ref.norm()).item()
+        ms = do_bench(run)
+    except Exception as exc:  # not in this torch / on this GPU: say so
+        print(f"torch blockwise scaled_mm {m}x{n}x{k}: {type(exc).__name__}: {exc}"[:300], flush=True)
+        return []
+    row = dict(model="fp8-gemm", what=f"{m}x{n}x{k} block torch", ms=ms, floor_ms=ref_ms, of_floor=ref_ms / ms,
+               plan=f"F.scaled_mm blockwise, relative error {err:.2g}")
+    print("measured:", row, flush=True)
+    return [row]
+
+
+def _skinny_candidates(m: int, n: int, k: int, block_k) -> list[dict]:
+    from tandem.kernels.triton.fp8_skinny import row_bucket
+    bucket = row_bucket(m)
+    bk = block_k or {16: 512, 32: 256, 64: 128}[bucket]
+    quants = (True, False) if bucket == 16 else (False,)
+    out = []
+    for bn, split, quant in itertools.product((16, 32, 64), (1, 2, 4, 8), quants):
+        if k % (split * bk) == 0:
+            warps = 4 if bucket == 64 or bn == 64 else 2
+            out.append(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, QUANT=quant, num_warps=warps, num_stages=4))
+    return out
+
+
+def _prefill_candidates(block_k) -> list[dict]:
+    bk = block_k or 128
+    tiles = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3), (64, 256, 4, 4)]
+    return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
+
+
+def sweep_rows(rows_list=(1, 64, 4096)) -> list[dict]:
+    """Every candidate plan per shape and layout; prints the best of each and returns all rows."""
+    from triton.testing import do_bench
+
+    from tandem.kernels.fp8 import fp8_linear_ref
+    from tandem.kernels.triton.fp8 import fp8_linear_triton
+    from tandem.kernels.triton.fp8_skinny import MAX_ROWS, row_bucket
+    rows, best = [], []
+    for m in rows_list:
+        for n, k in SHAPES:
+            ref_ms = _scaled_mm_ms(m, n, k)
+            for block in ((128, 128), None):
+                x, wq, ws = _operands(m, n, k, block)
+                bk = block[1] if block else None
+                cands = _skinny_candidates(m, n, k, bk) if m <= MAX_ROWS else _prefill_candidates(bk)
+                timed = []
+                ref = fp8_linear_ref(x, wq, ws, block).float()
+                for cand in cands:
+                    try:
+                        err = ((fp8_linear_triton(x, wq, ws, block, cand).float() - ref).norm() / ref.norm()).item()
+                        ms = do_bench(lambda: fp8_linear_triton(x, wq, ws, block, cand), warmup=5, rep=20)
+                    except Exception as exc:  # a plan that does not fit (shared memory): reported, skipped
+                        print(f"skipped {m}x{n}x{k} {cand}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                        continue
+                    if not err < 2e-2:  # (bf16 output vs the float32 reference)
+                        print(f"WRONG {m}x{n}x{k} {cand}: relative error {err:.3g}", flush=True)
+                        continue
+                    timed.append((ms, cand))
+                    rows.append(_row(m, n, k, block, ms, ref_ms, cand))
+                if not timed:
+                    continue
+                ms, cand = min(timed, key=lambda t: t[0])
+                key = (row_bucket(m) if m <= MAX_ROWS else m, n, k, bk)
+                best.append(f"    {key}: {cand},  # {ms * 1e3:.1f} us, {ref_ms / ms:.0%} of _scaled_mm")
+    print("best plan per shape (decode rows: fp8_skinny.PLANS entries):")
+    print("\n".join(best))
+    return rows

@@ -1,0 +1,278 @@
+"""The FP8 GEMM for decode-sized batches (<= MAX_ROWS rows): kernels/triton/linear.py's skinny
+GEMM on fp8 weights, with kernels/fp8.py's scales and activation quantization.
+
+At a few rows a linear layer is a read of its weight, so the grid is laid out to stream it: each
+program takes a strip of BLOCK_N output columns and, where the strips alone leave SMs idle, a
+share of K (SPLIT_K). Split programs write float32 partials; the strip's last program to take a
+ticket (kernels/triton/device.py) sums them, writes the output and puts the ticket back to 0.
+The first weight tile is loaded before the PDL wait (kernels/triton/pdl.py): it depends on no
+kernel ahead.
+
+QUANT (a tile plan's choice): the program quantizes its rows of x (bf16/fp16) itself, as
+kernels.fp8.quantize_rows does, instead of a quantization launch ahead of it:
+  block-scaled (BLOCK_K = the weight's K block): each K tile is one activation group, so its
+    scale is the tile's row amax / fp8 max; the dot of the tile is scaled on the float32
+    accumulator by that and the weight block's scale.
+  per-channel: a first pass over the row's K finds each row's amax (the program reads its rows'
+    whole K, which is why plans turn it on only for very few rows); the sum is scaled at the end.
+Without QUANT, x is fp8 with its scales from kernels/triton/fp8.py's quantize_rows_triton.
+
+Tile plans come from PLANS, keyed by (row bucket, N, K, K block) with a rule-made default
+(plan()); `plans()` lists every distinct one a model's shapes can take. No autotuning at serve
+time: a plan is a function of the shape, so compile-ahead builds every one it will use.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from tandem.kernels.triton.device import MAX_TICKETS, num_sms, tickets
+from tandem.kernels.triton.linear import MAX_ROWS as NORM_ROWS
+from tandem.kernels.triton.linear import _write_out, pending_rstd
+from tandem.kernels.triton.pdl import launch_args, wait_previous
+
+MAX_ROWS = 64
+ROW_BUCKETS = (16, 32, 64)  # BLOCK_M of the decode tile by rows
+
+
+@triton.jit
+def _quant_tile(x, fp8_max, q_ty: tl.constexpr):
+    """x [BM, BK] float32 -> (x / s clamped, in q_ty; s [BM] = max(amax(|x|) / fp8_max, 1e-12))."""
+    s = tl.maximum(tl.max(tl.abs(x), axis=1) / fp8_max, 1e-12)
+    return tl.minimum(tl.maximum(x / s[:, None], -fp8_max), fp8_max).to(q_ty), s
+
+
+@triton.jit
+def _k_mask(rk, k_left, EVEN: tl.constexpr):
+    return (rk < k_left) | EVEN
+
+
+@triton.jit
+def _tile_dot(acc, xt, w, a_s, xs_ptrs, ws_ptrs, kb, m_mask, n_mask, fp8_max, q_ty: tl.constexpr,
+              PER_CHANNEL: tl.constexpr, QUANT: tl.constexpr):
+    """acc plus one K tile: x tile xt [BM, BK] (bf16/fp16 with QUANT, else fp8), w tile [BK, BN]
+    fp8; per-channel: a_s [BM] the rows' scales (applied by the caller at the end); block: K block
+    kb's scales on the product."""
+    if PER_CHANNEL:
+        if QUANT:
+            xt = tl.minimum(tl.maximum(xt.to(tl.float32) / a_s[:, None], -fp8_max), fp8_max).to(q_ty)
+        return tl.dot(xt, w, acc)
+    if QUANT:
+        xt, s = _quant_tile(xt.to(tl.float32), fp8_max, q_ty)
+    else:
+        s = tl.load(xs_ptrs + kb, mask=m_mask, other=0.0)
+    w_s = tl.load(ws_ptrs + kb, mask=n_mask, other=0.0)
+    return acc + tl.dot(xt, w) * s[:, None] * w_s[None, :]
+
+
+@triton.jit
+def _fp8_skinny_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_xsm, stride_wn,
+    stride_wsn, stride_om, rows_per_scale, fp8_max, res_ptr, g_ptr, sg_ptr, ss_ptr, ss_in_ptr, in_strips, eps,
+    stride_rm, stride_gm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PER_CHANNEL: tl.constexpr, QUANT: tl.constexpr, NORM_OUT: tl.constexpr,
+    NORM_IN: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr,
+):
+    """out [M, N] = quant(x) @ w.T with the scales (module docstring). x [M, K] (bf16/fp16 with
+    QUANT, else fp8 with xs [M, G]); w [N, K] fp8 with ws [N / rows_per_scale, Kb] (block) or [N];
+    part [SPLIT_K, BLOCK_M, N] float32 when SPLIT_K > 1. Block-scaled: BLOCK_K = the K block.
+    NORM_OUT / NORM_IN: the pending RMSNorm of kernels/triton/linear.py (its _write_out and
+    pending_rstd; NORM_OUT with BLOCK_M = its MAX_ROWS): NORM_OUT adds the residual res [M, N] and
+    writes sg = s * g and ss [BLOCK_M, strips]; NORM_IN scales the rows by their 1/rms from
+    ss_in [BLOCK_M, in_strips] (x is then sg: quantizing it commutes with that row scale)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    q_ty = w_ptr.dtype.element_ty
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < M
+    n_mask = rn < N
+    k_per = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_per
+    k_hi = tl.minimum(K, k_lo + k_per)
+    x_row = x_ptr + rm[:, None].to(tl.int64) * stride_xm
+    x_ptrs = x_row + (k_lo + rk)[None, :]
+    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
+    ws_ptrs = ws_ptr + (rn // rows_per_scale).to(tl.int64) * stride_wsn
+    xs_ptrs = xs_ptr + rm.to(tl.int64) * stride_xsm
+    # the first weight tile does not depend on the kernel ahead (PDL)
+    w0 = tl.load(w_ptrs, mask=n_mask[None, :] & _k_mask(rk, k_hi - k_lo, False)[:, None], other=0.0)
+    wait_previous(PDL)
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    r = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if NORM_OUT:  # issued now, used by the epilogue
+        r = tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=out_mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    a_s = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if PER_CHANNEL:
+        if QUANT:  # each row's amax over all of K
+            amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xt = tl.load(x_row + (k0 + rk)[None, :], mask=m_mask[:, None] & _k_mask(rk, K - k0, EVEN_K)[None, :],
+                             other=0.0)
+                amax = tl.maximum(amax, tl.max(tl.abs(xt.to(tl.float32)), axis=1))
+            a_s = tl.maximum(amax / fp8_max, 1e-12)
+        else:
+            a_s = tl.load(xs_ptrs, mask=m_mask, other=0.0)
+    # the first tile peeled off the loop (its weight tile came before the wait); an empty range
+    # (a split past K) reads nothing and adds 0
+    xt = tl.load(x_ptrs, mask=m_mask[:, None] & _k_mask(rk, k_hi - k_lo, False)[None, :], other=0.0)
+    kb0 = tl.minimum(k_lo // BLOCK_K, tl.cdiv(K, BLOCK_K) - 1)  # (in range where the split is empty)
+    acc = _tile_dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), xt, w0, a_s, xs_ptrs, ws_ptrs, kb0,
+                    m_mask, n_mask, fp8_max, q_ty, PER_CHANNEL, QUANT)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        k_left = _k_mask(rk, k_hi - k0, EVEN_K)
+        w = tl.load(w_ptrs, mask=n_mask[None, :] & k_left[:, None], other=0.0)
+        xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_left[None, :], other=0.0)
+        acc = _tile_dot(acc, xt, w, a_s, xs_ptrs, ws_ptrs, k0 // BLOCK_K, m_mask, n_mask, fp8_max, q_ty,
+                        PER_CHANNEL, QUANT)
+    if PER_CHANNEL:
+        acc *= a_s[:, None] * tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
+    if NORM_IN:
+        acc *= pending_rstd(ss_in_ptr, rm, m_mask, in_strips, K, eps, S_PAD)[:, None]
+    out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    sg_ptrs = sg_ptr + rm[:, None] * stride_gm + rn[None, :]
+    strips = tl.num_programs(0)
+    if SPLIT_K == 1:
+        _write_out(out_ptrs, acc, out_mask, rm, n_mask, pid_n, r, g, sg_ptrs, ss_ptr, strips, NORM_OUT)
+    else:
+        tl.store(part_ptr + (pid_k * BLOCK_M + rm[:, None]) * N + rn[None, :], acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+        ticket = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part_ptr + (s * BLOCK_M + rm[:, None]) * N + rn[None, :], mask=out_mask,
+                                 other=0.0, cache_modifier=".cg")
+            _write_out(out_ptrs, total, out_mask, rm, n_mask, pid_n, r, g, sg_ptrs, ss_ptr, strips, NORM_OUT)
+            tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+def row_bucket(m: int) -> int:
+    """BLOCK_M of the decode tile for m <= MAX_ROWS rows."""
+    return next(b for b in ROW_BUCKETS if m <= b)
+
+
+# Hand-set plans: (row bucket, N, K, the weight's K block or None per-channel) -> plan, as
+# `python -m benchmarks.roofline --models --fp8-sweep` prints them (it checks and times the
+# candidates of each Llama-3-8B projection). None measured yet: every shape takes default_plan.
+PLANS: dict[tuple[int, int, int, int | None], dict] = {}
+
+
+def default_plan(bucket: int, n: int, k: int, block_k: int | None, sms: int = 132) -> dict:
+    """The rule: weight tiles of 4-8 KB (BLOCK_K the K block when block-scaled, 128-512 deep
+    per-channel), 16-32 column strips; K split in two until the grid has ~2 programs per SM, while
+    a split stays >= 4 tiles deep and the float32 partials (split x rows x 4 B, written and read
+    per column) stay under a quarter of the weight's K bytes per column; the activation
+    quantization in the GEMM at 16 rows block-scaled (one tile per group, nothing read twice)
+    and per-channel only for K <= 4096 (every program reads its rows' whole K first)."""
+    bn = 16 if bucket == 16 and block_k is None else 32
+    bk = block_k if block_k else {16: 512, 32: 256, 64: 128}[bucket]
+    strips = triton.cdiv(n, bn)
+    split = 1
+    while strips * split < 2 * sms and k // (2 * split) >= 4 * bk and 2 * split * bucket * 32 <= k and split < 16:
+        split *= 2
+    quant = bucket == 16 and (block_k is not None or k <= 4096)
+    return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, QUANT=quant, num_warps=4 if bucket == 64 else 2,
+                num_stages=4)
+
+
+def plan(m: int, n: int, k: int, block_k: int | None, sms: int = 132) -> dict:
+    """The tile plan for m <= MAX_ROWS rows of x @ w.T, w [N, K] (block_k: the weight's K block,
+    None per-channel)."""
+    bucket = row_bucket(m)
+    return dict(PLANS.get((bucket, n, k, block_k)) or default_plan(bucket, n, k, block_k, sms))
+
+
+def plans(shapes: list[tuple[int, int]], block_k: int | None, sms: int = 132) -> list[tuple[int, dict]]:
+    """Every (row bucket, plan) the weights [N, K] in `shapes` can take (the sm_90 compile test
+    enumerates them; compile-ahead reaches them by running a batch per row bucket: fp8.plan_key)."""
+    out = []
+    for bucket in ROW_BUCKETS:
+        for n, k in shapes:
+            p = plan(bucket, n, k, block_k, sms)
+            if (bucket, p) not in out:
+                out.append((bucket, p))
+    return out
+
+
+def supports(m: int, block: tuple[int, int] | None) -> bool:
+    """Whether the decode tile takes m rows of this weight layout (block-scaled: a K block of
+    32..512, one tile per group)."""
+    return 0 < m <= MAX_ROWS and (block is None or 32 <= block[1] <= 512)
+
+
+def fp8_skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                             block: tuple[int, int] | None, cfg: dict | None = None,
+                             pdl: bool = True) -> torch.Tensor:
+    """kernels.fp8.fp8_linear_ref for x: [M, K] bf16/fp16, M <= MAX_ROWS; w: [N, K] fp8 with
+    w_scale [N] (block None) or [ceil(N / bn), ceil(K / bk)] -> [M, N] in x.dtype."""
+    return _launch(x, w, w_scale, block, cfg, pdl)[0]
+
+
+def fp8_skinny_add_norm_triton(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None, residual: torch.Tensor,
+    norm_weight: torch.Tensor, cfg: dict | None = None, pdl: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The FP8 GEMM ahead of an RMSNorm, as kernels/triton/linear.py's skinny_linear_add_norm_triton:
+    x: [M, K], M <= 16; residual: [M, N]; norm_weight: [N] -> (s = x @ w.T + residual,
+    sg = s * norm_weight, ss [16, strips] float32 each strip's sums of squares of s's rows)."""
+    m, n = x.shape[0], w.shape[0]
+    if m > NORM_ROWS or residual.shape != (m, n) or norm_weight.shape != (n,):
+        raise ValueError(f"fp8 skinny add_norm: output ({m}, {n}) (at most {NORM_ROWS} rows), residual "
+                         f"{tuple(residual.shape)}, norm weight {tuple(norm_weight.shape)}")
+    return _launch(x, w, w_scale, block, cfg, pdl, norm_out=(residual, norm_weight))
+
+
+def fp8_skinny_normed_triton(sg: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
+                             ss: torch.Tensor, eps: float, cfg: dict | None = None, pdl: bool = True) -> torch.Tensor:
+    """The FP8 GEMM after (NORM_IN): sg, ss from a GEMM ahead that left the norm pending (ss [16,
+    strips] float32) -> rms_norm(s) @ w.T, [M, N]."""
+    if sg.shape[0] > NORM_ROWS or ss.dim() != 2 or ss.shape[0] != NORM_ROWS or ss.dtype != torch.float32:
+        raise ValueError(f"fp8 skinny normed: sg {tuple(sg.shape)} (at most {NORM_ROWS} rows), ss "
+                         f"{tuple(ss.shape)} {ss.dtype}, expected [{NORM_ROWS}, strips] float32")
+    return _launch(sg, w, w_scale, block, cfg, pdl, norm_in=(ss, eps))[0]
+
+
+def _launch(x, w, w_scale, block, cfg, pdl, norm_out=None, norm_in=None):
+    from tandem.kernels.triton.fp8 import quantize_rows_triton
+    m, k = x.shape
+    n = w.shape[0]
+    if not supports(m, block) or w.shape[1] != k:
+        raise ValueError(f"fp8 skinny GEMM: x {tuple(x.shape)} (1..{MAX_ROWS} rows), weight {tuple(w.shape)}, "
+                         f"block {block}")
+    cfg = dict(cfg or plan(m, n, k, block[1] if block else None, num_sms(x.device)))
+    bucket = row_bucket(m)
+    split = cfg.pop("SPLIT_K")
+    quant = cfg.pop("QUANT")
+    if block is not None and cfg["BLOCK_K"] != block[1]:
+        raise ValueError(f"fp8 skinny GEMM: block-scaled plans take BLOCK_K = the K block {block[1]}")
+    strips = triton.cdiv(n, cfg["BLOCK_N"])
+    if split > 1 and strips > MAX_TICKETS:
+        split = 1
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    sg = torch.empty_like(out) if norm_out is not None else out
+    # every strip writes its column for all 16 rows (zeros past M)
+    ss = torch.empty(NORM_ROWS, strips, device=x.device, dtype=torch.float32) if norm_out is not None else out
+    xs = x  # (unused with QUANT)
+    if not quant:
+        x, xs = quantize_rows_triton(x, w.dtype, block[1] if block else None, pdl)
+    w_scale = w_scale.contiguous()
+    part = torch.empty(split, bucket, n, device=x.device, dtype=torch.float32) if split > 1 else out
+    residual, norm_weight = norm_out if norm_out is not None else (out, out)
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    ss_in, eps = norm_in if norm_in is not None else (out, 0.0)
+    _fp8_skinny_kernel[(strips, split)](
+        x, xs, w, w_scale, out, part, tickets(x.device), m, n, k, x.stride(0), xs.stride(0), w.stride(0),
+        w_scale.stride(0) if block else 1, out.stride(0), block[0] if block else 1,
+        float(torch.finfo(w.dtype).max), residual, norm_weight, sg, ss, ss_in,
+        ss_in.shape[1] if norm_in is not None else 1, eps, residual.stride(0), sg.stride(0),
+        BLOCK_M=bucket, SPLIT_K=split, EVEN_K=k % (split * cfg["BLOCK_K"]) == 0, PER_CHANNEL=block is None,
+        QUANT=quant, NORM_OUT=norm_out is not None, NORM_IN=norm_in is not None,
+        S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in is not None else 1, **cfg, **launch_args(x, pdl))
+    return out, sg, ss
