@@ -5,6 +5,7 @@ answers 503 {"status": "starting"} and the OpenAI routes 503; then it turns read
 lifecycle's on_ready callbacks, e.g. router registration)."""
 import asyncio
 import logging
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -52,6 +53,14 @@ def served_model_name(config: EngineConfig) -> str:
     return served_model_names(config)[0]
 
 
+def _on_gpu(config: EngineConfig) -> bool:
+    device = config.model.device
+    if device == "auto":
+        import torch
+        return torch.cuda.is_available()
+    return device != "cpu"
+
+
 def build_app(client: EngineClient, config: EngineConfig, tokenizer: Tokenizer | None = None,
               api_key: str | None = None, *, role: str = "collocated", lifecycle: Lifecycle | None = None,
               docs: bool = True) -> FastAPI:
@@ -73,6 +82,23 @@ def build_app(client: EngineClient, config: EngineConfig, tokenizer: Tokenizer |
                               defaults=generation_defaults(serving_config.generation_config, config.model.model),
                               tool_parser=tool_parser)
 
+    async def warm_up(app: FastAPI) -> None:
+        """One streamed completion through the whole stack (routes, validation, engine client,
+        detokenizer, SSE) before ready, so first-time costs that compile-ahead does not reach land
+        in start-up instead of on the first client's TTFT. It counts in /metrics like any request."""
+        import httpx
+
+        ctx = app.state.ctx
+        body = {"model": name, "prompt": [i % ctx.vocab_size for i in range(min(256, ctx.max_model_len // 2))],
+                "max_tokens": 2, "stream": True, "ignore_eos": True}
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        t0 = time.perf_counter()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://warm-up") as http:
+            resp = await http.post("/v1/completions", json=body, headers=headers, timeout=600)
+        if resp.status_code != 200:
+            raise RuntimeError(f"the start-up warm-up request failed: {resp.status_code} {resp.text[:500]}")
+        logger.info("warm-up request served in %.1f ms", (time.perf_counter() - t0) * 1e3)
+
     async def become_ready(app: FastAPI) -> None:
         try:
             if app.state.ctx is None:
@@ -80,6 +106,8 @@ def build_app(client: EngineClient, config: EngineConfig, tokenizer: Tokenizer |
                     await asyncio.to_thread(client.wait_ready)
                 app.state.ctx = await asyncio.to_thread(make_context, tokenizer)
             await client.start_output_loop()
+            if _on_gpu(config):
+                await warm_up(app)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # the engine failed to start: the caller logs it and exits non-zero
