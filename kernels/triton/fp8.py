@@ -171,6 +171,8 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, b
         return fp8_skinny.fp8_skinny_linear_triton(x, w, w_scale, block, cfg, pdl)
     n = w.shape[0]
     xq, xs = quantize_rows_triton(x, w.dtype, block[1] if block else None)
+    if cfg is None and m > 0 and _torch_prefill(x, w, block):
+        return _torch_scaled_mm(xq, xs, w, w_scale, block, x.dtype)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return out
@@ -184,6 +186,39 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, b
         block[1] // meta["BLOCK_K"] if block else 1, PER_CHANNEL=block is None,
         EVEN_K=k % meta["BLOCK_K"] == 0, **meta)
     return out
+
+
+def _torch_prefill(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """Whether prefill rows go to torch's FP8 GEMM, as bf16 prefill goes to cuBLAS: cuBLASLt's
+    row-wise _scaled_mm (per-channel) and CUTLASS's 1x128 x 128x128 block-wise scaled_mm ran at
+    92-100% and 82-92% of _scaled_mm's speed on an H100 where our prefill tile ran at 78-92% and
+    46-53% (benchmarks/RESULTS.md). CUDA sm_90+ with K and N multiples of 16 (and of 128 for blocks)."""
+    if torch.version.cuda is None or torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
+    n, k = w.shape
+    if block is None:
+        return n % 16 == 0 and k % 16 == 0
+    return (tuple(block) == (128, 128) and n % 128 == 0 and k % 128 == 0
+            and hasattr(torch.nn.functional, "scaled_mm") and hasattr(torch.nn.functional, "ScalingType"))
+
+
+def _torch_scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                     block: tuple[int, int] | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """xq: [M, K] fp8 with xs [M, 1] (per token) or [M, K / 128] (per token and group); w: [N, K]
+    fp8 with w_scale [N] or [N / 128, K / 128] -> [M, N] out_dtype."""
+    if block is None:
+        return torch._scaled_mm(xq, w.t(), scale_a=xs.view(-1, 1).float(), scale_b=w_scale.view(1, -1).float(),
+                                out_dtype=out_dtype)
+    F = torch.nn.functional
+    m = xq.shape[0]
+    pad = (-m) % 128  # cuBLASLt has no block-wise heuristic for some row counts (65 on an H100)
+    if pad:
+        xq = torch.nn.functional.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(xq.dtype)
+        xs = torch.nn.functional.pad(xs, (0, 0, 0, pad), value=1.0)
+    # the block-wise kernel reads the activation scales column-major
+    out = F.scaled_mm(xq, w.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128, w_scale.float().t(),
+                      F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+    return out[:m]
 
 
 def plan_key(m: int, block: tuple[int, int] | None) -> str:

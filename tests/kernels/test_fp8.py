@@ -149,7 +149,12 @@ def run_pending_norm_case(case, device, dtype, quant_after: bool = True) -> None
         s, sg, ss = fp8_skinny_add_norm_triton(x, q1, s1, block, res, nw, ahead)
         assert _rel(s, s_ref) < 1e-2 and _rel(sg, s_ref.float() * nw.float()) < 1e-2, case
         y = fp8_skinny_normed_triton(sg, q2, s2, block, ss, 1e-6, after)
-        assert _rel(y, y_ref) < 2e-2, (case, _rel(y, y_ref))  # (it quantizes s * g, the reference the norm)
+        # The kernel quantizes the rows s * g and scales by 1 / rms after the GEMM: against that
+        # order of operations it is exact to accumulation; against norm-then-quantize, a few of
+        # the elements round to the neighbouring fp8 value (one e4m3 step is 6%; case0 has 96).
+        inv_rms = torch.rsqrt(s_ref.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        assert _rel(y, fp8_linear_ref(sg.float(), q2, s2, block) * inv_rms) < 1e-2, case
+        assert _rel(y, y_ref) < 4e-2, (case, _rel(y, y_ref))
         dense = skinny_linear_normed_triton(sg, w_dense, ss, 1e-6)
         assert _rel(dense, h_ref.double() @ w_dense.double().t()) < 5e-3, case
 
