@@ -26,6 +26,7 @@ from tandem.connectors.layout import KVLayout, plan_pairs
 from tandem.connectors.params import KVTransferParams
 from tandem.connectors.protocol import (AbortTransfer, DecodeBlocks, FinishOp, FirstToken, FreeBlocks, Hello,
                                         HelloReply, KVStepMeta, PeerGone, PushOp, RankDone, ReadOp, TransferDone)
+from tandem.connectors.stages import stamp
 from tandem.connectors.transfer import Transfer, TransferState as S, TransferTable
 from tandem.connectors.transport import peer_writes_memory
 from tandem.engine.config import KVTransferConfig
@@ -95,12 +96,15 @@ class TandemConnector:
                 t = self.table.find(msg.request_id, msg.transfer_id)
                 if t is not None:
                     self.table.pair_done(t, msg.pair, msg.error)
+                    if t.state == S.DONE:
+                        stamp(logger, t.side, "conn.kv_done", t.request_id)
                     self._after_end(t)
             elif isinstance(msg, FreeBlocks):
                 t = self.table.get(msg.request_id)
                 if t is not None and t.state == S.HELD:
                     self.table.move(t, S.DONE)
             elif isinstance(msg, DecodeBlocks | AbortTransfer):
+                stamp(logger, "prefill", f"conn.{type(msg).__name__}", msg.transfer_id)
                 t = self.table.find(transfer_id=msg.transfer_id)
                 if t is None:
                     self.inbox[msg.transfer_id] = msg
@@ -109,6 +113,7 @@ class TandemConnector:
             elif isinstance(msg, FirstToken):
                 t = self.table.find(transfer_id=msg.transfer_id)
                 if t is not None and t.side == "decode" and t.first_token is None:
+                    stamp(logger, "decode", "conn.first_token_msg", t.request_id)
                     t.first_token = self.first_tokens[t.request_id] = (msg.token_id, msg.logprobs)
             elif isinstance(msg, TransferDone):
                 t = self.table.find(transfer_id=msg.transfer_id)
@@ -212,6 +217,7 @@ class TandemConnector:
                 self._after_end(t)
             return
         self.agent.watch(t.peer, self._peer_gone)
+        stamp(logger, "decode", "conn.handshake_done", t.request_id)
         with self.lock:
             if t.state != S.HANDSHAKING:
                 return
@@ -253,6 +259,7 @@ class TandemConnector:
             for t in self.table.transfers.values():
                 if t.side == "decode" and t.mode == "read" and t.state == S.READY:
                     self.table.start_moving(t, t.pairs, self.transfer_timeout_s)
+                    stamp(logger, "decode", "conn.read_start", t.request_id)
                     meta.reads.append(ReadOp(t.request_id, t.params.remote_request_id, t.remote_blocks,
                                              t.local_blocks, t.pairs, t.peer_ranks))
             for req, n in scheduled:
@@ -333,6 +340,7 @@ class TandemConnector:
                 self._end_push(t, S.ABORTED, req.error or "the prefill request was aborted")
             elif t.side == "prefill" and t.peer and req.num_output_tokens:
                 peer, first = t.peer, FirstToken(t.transfer_id, req.output_token_ids[0], _logprobs_list(req))
+                stamp(logger, "prefill", "conn.first_token_sent", req.request_id)
                 self.agent.submit(lambda: self._send_quietly(peer, first))
             t.request_done = True
             hold = not t.settled

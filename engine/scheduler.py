@@ -13,12 +13,18 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tandem.connectors.stages import side_of, stamp
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.protocol import RequestOutput, SchedulerStats, TokenLogprobs
 from tandem.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+
+def _side(req: Request) -> str:
+    """req's place in a PD pair, for stage stamps (a decode's params are dropped once its KV landed)."""
+    return "decode" if req.remote_computed_tokens else side_of(req.kv_transfer_params)
 
 
 class SchedulerConnector(Protocol):
@@ -135,6 +141,7 @@ class Scheduler:
             if req is None or req.num_output_tokens:
                 continue
             lp = None if logprobs is None else TokenLogprobs(*logprobs)
+            stamp(logger, "decode", "core.first_token_fwd", rid)
             req.all_token_ids.append(token_id)
             req.first_token_logprobs = lp
             req.skipped_draws = 1  # the prefill drew from the request's seeded generator once
@@ -167,6 +174,7 @@ class Scheduler:
                 else:
                     self.fail_request(req, failed[req.request_id])
             elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req.request_id in landed:
+                stamp(logger, "decode", "core.kv_landed", req.request_id)
                 req.num_computed_tokens = req.remote_computed_tokens
                 self.blocks.cache_full_blocks(req)
                 req.status = RequestStatus.WAITING
@@ -240,6 +248,7 @@ class Scheduler:
             req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             self.num_remote_prefills_total += 1
             self.connector.on_blocks_allocated(req, num_remote)
+            stamp(logger, "decode", "core.wait_kv", req.request_id)
             self.waiting.append(req)
             self._take_first_tokens()  # read mode: it came with the request
             return True
@@ -251,6 +260,7 @@ class Scheduler:
             return False
         if fresh:
             req.num_cached_tokens = len(cached) * self.blocks.block_size
+            stamp(logger, _side(req), "core.scheduled", req.request_id)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         out.scheduled.append((req, n))
@@ -276,6 +286,7 @@ class Scheduler:
             req.all_token_ids.append(tok.token_id)
             if req.num_output_tokens == 1:
                 req.first_token_logprobs = tok.logprobs  # (a PD prefill hands it to the decode)
+                stamp(logger, _side(req), "core.first_token", req.request_id)
             status = self._check_stop(req, tok.token_id)
             if not self._grammar_accepts(req, tok.token_id):
                 req.error = f"token {tok.token_id} broke the request's output grammar"

@@ -41,6 +41,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from tandem.connectors.params import KVTransferParams, parse_kv_transfer_params
+from tandem.connectors.stages import stamp
 from tandem.router.config import RouterConfig
 from tandem.router.errors import RouterError
 from tandem.router.metrics import RouterMetrics
@@ -148,6 +149,7 @@ class PDOrchestrator:
         body, raw = await parse_json_body(request)
         client_streams = bool(body.get("stream", False))
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        stamp(logger, "router", "parsed", request_id)
         headers = {"X-Request-Id": request_id}
         if self.config.api_key:  # instances registered with a keyed router accept the router's key
             headers["Authorization"] = f"Bearer {self.config.api_key}"
@@ -207,12 +209,13 @@ class PDOrchestrator:
     async def _collocated(self, inst: Instance, path: str, raw: bytes, client_streams: bool,
                           headers: dict[str, str], finish: OnClose) -> Response:
         stream = await self.upstream.open_stream(inst, path, raw, headers)
-        return await relay(stream, client_streams, finish)
+        return await relay(stream, client_streams, finish, headers["X-Request-Id"])
 
     async def _prefill(self, inst: Instance, path: str, body: dict, headers: dict[str, str]) -> dict:
         start = time.perf_counter()
         answer = await self.upstream.post_json(inst, path, body, headers)
         self.metrics.prefill_seconds.observe(time.perf_counter() - start)
+        stamp(logger, "router", "prefill_answered", headers["X-Request-Id"])
         return answer
 
     async def _read_mode(self, prefill: Instance, decode: Instance, path: str, body: dict,
@@ -231,7 +234,8 @@ class PDOrchestrator:
                               "bad_kv_transfer_params") from None
         stream = await self.upstream.open_stream(decode, path, {**body, "kv_transfer_params": kv_transfer_params},
                                                  headers)
-        return await relay(stream, client_streams, finish)
+        stamp(logger, "router", "relay_start", headers["X-Request-Id"])
+        return await relay(stream, client_streams, finish, headers["X-Request-Id"])
 
     async def _write_mode(self, prefill: Instance, decode: Instance, path: str, body: dict,
                           client_streams: bool, headers: dict[str, str], finish: OnClose) -> Response:
@@ -247,7 +251,8 @@ class PDOrchestrator:
         except BaseException:
             await _cancel_all(prefill_task, decode_task)
             raise
-        return await relay(decode_task.result(), client_streams, finish)
+        stamp(logger, "router", "relay_start", headers["X-Request-Id"])
+        return await relay(decode_task.result(), client_streams, finish, headers["X-Request-Id"])
 
     @staticmethod
     async def _both_or_first_failure(prefill_task: asyncio.Task, decode_task: asyncio.Task) -> None:
