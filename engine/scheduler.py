@@ -109,6 +109,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.pending_outputs)
 
+    def take_pending_outputs(self) -> list[RequestOutput]:
+        """Outputs made without a forward pass since the last update (a PD decode's forwarded first
+        token, aborts, failed transfers); update() would return them first otherwise."""
+        outputs, self.pending_outputs = self.pending_outputs, []
+        return outputs
+
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """Move req to a finished state, free (or hold for a send) its blocks, queue its output."""
         if req.status == RequestStatus.RUNNING:
@@ -271,7 +277,7 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken],
                prompt_logprobs: dict[str, list[TokenLogprobs | None]]) -> list[RequestOutput]:
         """Apply one step's results: advance, append sampled tokens, check stops, emit deltas."""
-        outputs, self.pending_outputs = self.pending_outputs, []
+        outputs = self.take_pending_outputs()
         for req, n in out.scheduled:
             if req.status != RequestStatus.RUNNING:
                 continue
