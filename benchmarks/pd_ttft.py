@@ -5,13 +5,13 @@ Every deployment is started here, warmed up, measured with benchmarks.serve (str
 token-id prompts, distinct per request: no prefix-cache hits), and stopped before the next one
 starts. The table shows TTFT median/p90 and the median's excess over collocated.
 
-    python -m benchmarks.pd_ttft --device cpu --prompt-len 500               # CPU, tcp
+    python -m benchmarks.pd_ttft --device cpu --prompt-len 200               # CPU, tcp
     python -m benchmarks.pd_ttft --gpu 0 --kv-transport ipc --prompt-len 2000 \\
         --model /tmp/llama3-8b --server-args="--load-format dummy"           # both instances on cuda:0
 
-With --trace, every part logs the time.time() stamps of a request's stages at DEBUG level
-(logger names tandem.*; see `trace_stages`), and the table adds, per deployment, the median
-time of each stage after the client sent its request.
+With --trace every process runs at --log-level debug and logs when a request passes each stage
+(connectors/stages.py); the table then adds, per deployment, the median time of each stage
+after the client sent its request.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import bisect
 import contextlib
+import ctypes
 import re
 import shlex
 import signal
@@ -43,6 +44,10 @@ class Result:
     name: str
     ttft_ms: list[float]
     stages: dict[str, float]  # stage -> median ms after the client's send (with --trace)
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no orphan trees if we die
 
 
 def deployment_argv(name: str, args: argparse.Namespace, port: int) -> list[str]:
@@ -111,7 +116,7 @@ def measure(name: str, args: argparse.Namespace, log_dir: Path) -> Result:
     log = log_dir / f"{name}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(deployment_argv(name, args, port), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                preexec_fn=_die_with_parent)
     try:
         t0 = time.monotonic()
         wait_ready(url, proc, log, args.startup_timeout)

@@ -67,6 +67,7 @@ class TandemConnector:
         self.finishes: list[FinishOp] = []
         self.closed: list[str] = []
         self.first_tokens: dict[str, tuple[int, list | None]] = {}  # decode: arrived, not yet taken
+        self.news = threading.Event()  # set when a message or handshake changed a transfer (see wait)
         logger.info("KV connector %s (%s, TP %d) listening at %s", self.engine_id, self.role, layout.tp_size,
                     self.agent.address)
 
@@ -80,6 +81,12 @@ class TandemConnector:
     # ---- messages (agent server thread) ---------------------------------------------------
 
     def _on_message(self, msg, payload):
+        try:
+            return self._handle(msg)
+        finally:
+            self.news.set()
+
+    def _handle(self, msg):
         if isinstance(msg, Hello):
             error = self.layout.mismatch(msg.layout)
             if msg.transport != self.transport:
@@ -173,6 +180,7 @@ class TandemConnector:
             for t in list(self.table.transfers.values()):
                 if t.peer == peer and not t.state.terminal:
                     self.table.end(t, S.FAILED, f"the KV peer instance at {peer} is gone", quiet=True)
+        self.news.set()
 
     # ---- scheduler hooks (engine thread) ---------------------------------------------------
 
@@ -215,6 +223,7 @@ class TandemConnector:
             with self.lock:
                 self.table.end(t, S.FAILED, str(e), quiet=True)
                 self._after_end(t)
+            self.news.set()
             return
         self.agent.watch(t.peer, self._peer_gone)
         stamp(logger, "decode", "conn.handshake_done", t.request_id)
@@ -228,6 +237,7 @@ class TandemConnector:
                 msg = DecodeBlocks(t.transfer_id, self.engine_id, t.local_blocks, self.layout, self.rank_addresses)
         if t.mode == "write":
             self.agent.send(t.peer, msg)
+        self.news.set()  # read: the next step starts the ranks' reads
 
     def ready(self, req: Request) -> bool:
         """Prefill, write mode: start only once decode has said where the KV goes."""
@@ -243,6 +253,14 @@ class TandemConnector:
                 if early is not None:
                     self._prefill_message(t, early)
             return t.state in (S.TRANSFERRING, S.DONE)
+
+    def wait(self, timeout_s: float) -> None:
+        """Engine thread, idle with transfers in flight: sleep up to timeout_s, less when news came
+        (a waiting write-mode prefill starts as soon as decode's block ids arrive, a decode emits
+        the prefill's first token as soon as it arrives). News that lands after the clear sets the
+        event again; news before it is already in the state the next step reads."""
+        if self.news.wait(timeout_s):
+            self.news.clear()
 
     def take_first_tokens(self) -> dict[str, tuple[int, list | None]]:
         """Decode: {request id: (first output token, its logprobs or None)} arrived from prefills

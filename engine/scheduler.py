@@ -54,6 +54,10 @@ class SchedulerConnector(Protocol):
     def build_meta(self, scheduled: list[tuple[Request, int]]):
         """What this step transfers (sent with the step to every rank's worker side), or None."""
 
+    def wait(self, timeout_s: float) -> None:
+        """Idle engine with transfers in flight: return after timeout_s, or as soon as a peer's
+        message (block ids, a first token, a finished transfer) may let it make progress."""
+
     def close(self) -> None: ...
 
 

@@ -1,6 +1,8 @@
 """KV block accounting and request states: nothing leaks after completion, abort,
 preemption or a failed remote transfer; WAITING_FOR_REMOTE_KVS is skipped until its KV lands.
 Reference for the remote-KV scenario: the same engine's collocated output."""
+import time
+
 import pytest
 
 from tandem.engine import LLM, SamplingParams
@@ -60,6 +62,9 @@ class FakeConnector:
 
     def take_first_tokens(self):
         return {}
+
+    def wait(self, timeout_s):
+        time.sleep(timeout_s)
 
     def close(self):
         pass
