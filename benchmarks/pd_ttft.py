@@ -44,6 +44,7 @@ class Result:
     name: str
     ttft_ms: list[float]
     stages: dict[str, float]  # stage -> median ms after the client's send (with --trace)
+    overhead_ms: list[float]  # TTFT less the prefill's compute, per request (with --trace)
 
 
 def _die_with_parent() -> None:
@@ -95,19 +96,38 @@ def bench_config(url: str, args: argparse.Namespace, num_prompts: int, seed: int
                            vocab_size=args.vocab_size, disable_tqdm=True, metric_percentiles=(90.0,))
 
 
-def trace_stages(log_text: str, sends: list[float]) -> dict[str, float]:
-    """Median ms after its request's send of every traced stage. One request at a time: a stamp
-    belongs to the last request sent before it (the parts name a request differently)."""
+def trace_stages(log_text: str, sends: list[float]) -> list[dict[str, float]]:
+    """Per request (in send order): stage -> ms after its send. One request at a time: a stamp
+    belongs to the last request sent before it (the parts name a request differently); a stage
+    passed twice counts once, the first time."""
     per_request: list[dict[str, float]] = [{} for _ in sends]
     for stage, _rid, t in _TRACE_RE.findall(log_text):
         i = bisect.bisect_right(sends, float(t)) - 1
         if i >= 0:
             per_request[i].setdefault(stage, (float(t) - sends[i]) * 1e3)
+    return per_request
+
+
+def median_stages(per_request: list[dict[str, float]]) -> dict[str, float]:
+    """stage -> its median ms after the send, in order of time."""
     out: dict[str, list[float]] = {}
     for stages in per_request:
         for stage, ms in stages.items():
             out.setdefault(stage, []).append(ms)
     return dict(sorted(((k, statistics.median(v)) for k, v in out.items()), key=lambda kv: kv[1]))
+
+
+def beyond_prefill(ttft_ms: list[float], per_request: list[dict[str, float]]) -> list[float]:
+    """Each request's TTFT less its prefill's compute (the engine's scheduling of the prompt to its
+    first token, on the collocated or prefill instance): the overhead, steady on a busy CPU too."""
+    out = []
+    for ttft, stages in zip(ttft_ms, per_request):
+        for side in ("colloc", "prefill"):
+            start, end = stages.get(f"{side}.core.scheduled"), stages.get(f"{side}.core.first_token")
+            if start is not None and end is not None:
+                out.append(ttft - (end - start))
+                break
+    return out
 
 
 def measure(name: str, args: argparse.Namespace, log_dir: Path) -> Result:
@@ -125,25 +145,32 @@ def measure(name: str, args: argparse.Namespace, log_dir: Path) -> Result:
         result = asyncio.run(run_benchmark(bench_config(url, args, args.num_requests, seed=0)))
         # run_benchmark's clock started duration_s before it returned (to within its clean-up, < 1 ms)
         t0 = time.time() - result.duration_s
-        done = [r for r in result.records if r.success]
+        done = sorted((r for r in result.records if r.success), key=lambda r: r.start_s)
         if len(done) != len(result.records):
             raise RuntimeError(f"{name}: {len(result.records) - len(done)} requests failed: {result.summary['errors']}")
-        stages = {}
-        if args.trace:
-            time.sleep(0.5)  # let the logs flush
-            sends = [t0 + r.start_s for r in sorted(done, key=lambda r: r.start_s)]
-            stages = trace_stages(log.read_text(errors="replace"), sends)
-        return Result(name, [r.ttft_s * 1e3 for r in done], stages)
+        ttft = [r.ttft_s * 1e3 for r in done]
+        if not args.trace:
+            return Result(name, ttft, {}, [])
+        time.sleep(0.5)  # let the logs flush
+        per_request = trace_stages(log.read_text(errors="replace"), [t0 + r.start_s for r in done])
+        return Result(name, ttft, median_stages(per_request), beyond_prefill(ttft, per_request))
     finally:
         stop(proc)
 
 
 def table(results: list[Result]) -> str:
     base = statistics.median(results[0].ttft_ms)
-    lines = [f"{'deployment':<12} {'TTFT p50 ms':>11} {'p90 ms':>8} {'p50 - colloc':>13}"]
+    traced = all(r.overhead_ms for r in results)
+    lines = [f"{'deployment':<12} {'TTFT p50 ms':>11} {'p90 ms':>8} {'p50 - colloc':>13}"
+             + (f" {'TTFT-prefill p50':>16} {'- colloc':>9}" if traced else "")]
+    base_overhead = statistics.median(results[0].overhead_ms) if traced else 0.0
     for r in results:
         p50 = statistics.median(r.ttft_ms)
-        lines.append(f"{r.name:<12} {p50:>11.1f} {percentile(r.ttft_ms, 90):>8.1f} {p50 - base:>+13.1f}")
+        line = f"{r.name:<12} {p50:>11.1f} {percentile(r.ttft_ms, 90):>8.1f} {p50 - base:>+13.1f}"
+        if traced:
+            overhead = statistics.median(r.overhead_ms)
+            line += f" {overhead:>16.1f} {overhead - base_overhead:>+9.1f}"
+        lines.append(line)
     for r in results:
         if r.stages:
             lines.append(f"{r.name} stages (median ms after send): "

@@ -1,7 +1,7 @@
 """benchmarks/pd_ttft.py without starting servers: the deployments' command lines and how stage
 stamps from several processes are lined up with the client's sends. Reference: hand-computed
 medians of a made-up log."""
-from benchmarks.pd_ttft import deployment_argv, parse_args, table, trace_stages, Result
+from benchmarks.pd_ttft import Result, beyond_prefill, deployment_argv, median_stages, parse_args, table, trace_stages
 
 
 def test_deployments_share_flags_and_differ_only_in_role():
@@ -29,11 +29,21 @@ def test_stamps_belong_to_the_last_request_sent_before_them():
         "x DEBUG pdtrace router.parsed r2 200.003",
         "x DEBUG pdtrace prefill.core.first_token cmpl-c 200.070",
     ])
-    stages = trace_stages(log, sends)
+    per_request = trace_stages(log, sends)
+    assert [round(r["prefill.core.first_token"], 3) for r in per_request] == [50.0, 70.0]
+    stages = median_stages(per_request)
     assert list(stages) == ["router.parsed", "prefill.core.first_token"]
     assert abs(stages["router.parsed"] - 2.0) < 1e-6 and abs(stages["prefill.core.first_token"] - 60.0) < 1e-6
 
 
+def test_overhead_is_ttft_less_the_prefill_compute():
+    per_request = [{"prefill.core.scheduled": 2.0, "prefill.core.first_token": 52.0},
+                   {"colloc.core.scheduled": 1.0, "colloc.core.first_token": 41.0}, {}]
+    assert beyond_prefill([60.0, 45.0, 30.0], per_request) == [10.0, 5.0]
+
+
 def test_table_shows_the_excess_over_collocated():
-    out = table([Result("collocated", [10.0, 12.0, 14.0], {}), Result("read", [15.0, 17.0, 19.0], {"a": 1.0})])
+    out = table([Result("collocated", [10.0, 12.0, 14.0], {}, []), Result("read", [15.0, 17.0, 19.0], {"a": 1.0}, [])])
     assert "+5.0" in out.splitlines()[2] and "read stages" in out
+    traced = table([Result("collocated", [10.0], {}, [3.0]), Result("write", [20.0], {}, [7.0])])
+    assert traced.splitlines()[2].split()[-2:] == ["7.0", "+4.0"]
