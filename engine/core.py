@@ -139,7 +139,10 @@ class EngineCore:
         outputs += self.scheduler.update(out, sampled, prompt_logprobs)
         if not out.scheduled and not outputs and self._dp_group is None:
             # only KV transfers in flight: poll them without spinning a core, woken by their news
-            self.connector.wait(0.001) if self.connector is not None else time.sleep(0.001)
+            if self.connector is not None:
+                self.connector.wait(0.001)
+            else:
+                time.sleep(0.001)
         return outputs
 
     def _step_async(self) -> list[RequestOutput]:
