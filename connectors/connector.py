@@ -26,6 +26,7 @@ from tandem.connectors.layout import KVLayout, plan_pairs
 from tandem.connectors.params import KVTransferParams
 from tandem.connectors.protocol import (AbortTransfer, DecodeBlocks, FinishOp, FirstToken, FreeBlocks, Hello,
                                         HelloReply, KVStepMeta, PeerGone, PushOp, RankDone, ReadOp, TransferDone)
+from tandem.connectors.stages import stamp
 from tandem.connectors.transfer import Transfer, TransferState as S, TransferTable
 from tandem.connectors.transport import peer_writes_memory
 from tandem.engine.config import KVTransferConfig
@@ -66,6 +67,7 @@ class TandemConnector:
         self.finishes: list[FinishOp] = []
         self.closed: list[str] = []
         self.first_tokens: dict[str, tuple[int, list | None]] = {}  # decode: arrived, not yet taken
+        self.news = threading.Event()  # set when a message or handshake changed a transfer (see wait)
         logger.info("KV connector %s (%s, TP %d) listening at %s", self.engine_id, self.role, layout.tp_size,
                     self.agent.address)
 
@@ -79,6 +81,12 @@ class TandemConnector:
     # ---- messages (agent server thread) ---------------------------------------------------
 
     def _on_message(self, msg, payload):
+        try:
+            return self._handle(msg)
+        finally:
+            self.news.set()
+
+    def _handle(self, msg):
         if isinstance(msg, Hello):
             error = self.layout.mismatch(msg.layout)
             if msg.transport != self.transport:
@@ -95,12 +103,15 @@ class TandemConnector:
                 t = self.table.find(msg.request_id, msg.transfer_id)
                 if t is not None:
                     self.table.pair_done(t, msg.pair, msg.error)
+                    if t.state == S.DONE:
+                        stamp(logger, t.side, "conn.kv_done", t.request_id)
                     self._after_end(t)
             elif isinstance(msg, FreeBlocks):
                 t = self.table.get(msg.request_id)
                 if t is not None and t.state == S.HELD:
                     self.table.move(t, S.DONE)
             elif isinstance(msg, DecodeBlocks | AbortTransfer):
+                stamp(logger, "prefill", f"conn.{type(msg).__name__}", msg.transfer_id)
                 t = self.table.find(transfer_id=msg.transfer_id)
                 if t is None:
                     self.inbox[msg.transfer_id] = msg
@@ -109,6 +120,7 @@ class TandemConnector:
             elif isinstance(msg, FirstToken):
                 t = self.table.find(transfer_id=msg.transfer_id)
                 if t is not None and t.side == "decode" and t.first_token is None:
+                    stamp(logger, "decode", "conn.first_token_msg", t.request_id)
                     t.first_token = self.first_tokens[t.request_id] = (msg.token_id, msg.logprobs)
             elif isinstance(msg, TransferDone):
                 t = self.table.find(transfer_id=msg.transfer_id)
@@ -168,6 +180,7 @@ class TandemConnector:
             for t in list(self.table.transfers.values()):
                 if t.peer == peer and not t.state.terminal:
                     self.table.end(t, S.FAILED, f"the KV peer instance at {peer} is gone", quiet=True)
+        self.news.set()
 
     # ---- scheduler hooks (engine thread) ---------------------------------------------------
 
@@ -210,8 +223,10 @@ class TandemConnector:
             with self.lock:
                 self.table.end(t, S.FAILED, str(e), quiet=True)
                 self._after_end(t)
+            self.news.set()
             return
         self.agent.watch(t.peer, self._peer_gone)
+        stamp(logger, "decode", "conn.handshake_done", t.request_id)
         with self.lock:
             if t.state != S.HANDSHAKING:
                 return
@@ -222,6 +237,7 @@ class TandemConnector:
                 msg = DecodeBlocks(t.transfer_id, self.engine_id, t.local_blocks, self.layout, self.rank_addresses)
         if t.mode == "write":
             self.agent.send(t.peer, msg)
+        self.news.set()  # read: the next step starts the ranks' reads
 
     def ready(self, req: Request) -> bool:
         """Prefill, write mode: start only once decode has said where the KV goes."""
@@ -238,6 +254,14 @@ class TandemConnector:
                     self._prefill_message(t, early)
             return t.state in (S.TRANSFERRING, S.DONE)
 
+    def wait(self, timeout_s: float) -> None:
+        """Engine thread, idle with transfers in flight: sleep up to timeout_s, less when news came
+        (a waiting write-mode prefill starts as soon as decode's block ids arrive, a decode emits
+        the prefill's first token as soon as it arrives). News that lands after the clear sets the
+        event again; news before it is already in the state the next step reads."""
+        if self.news.wait(timeout_s):
+            self.news.clear()
+
     def take_first_tokens(self) -> dict[str, tuple[int, list | None]]:
         """Decode: {request id: (first output token, its logprobs or None)} arrived from prefills
         since the last call."""
@@ -253,6 +277,7 @@ class TandemConnector:
             for t in self.table.transfers.values():
                 if t.side == "decode" and t.mode == "read" and t.state == S.READY:
                     self.table.start_moving(t, t.pairs, self.transfer_timeout_s)
+                    stamp(logger, "decode", "conn.read_start", t.request_id)
                     meta.reads.append(ReadOp(t.request_id, t.params.remote_request_id, t.remote_blocks,
                                              t.local_blocks, t.pairs, t.peer_ranks))
             for req, n in scheduled:
@@ -333,6 +358,7 @@ class TandemConnector:
                 self._end_push(t, S.ABORTED, req.error or "the prefill request was aborted")
             elif t.side == "prefill" and t.peer and req.num_output_tokens:
                 peer, first = t.peer, FirstToken(t.transfer_id, req.output_token_ids[0], _logprobs_list(req))
+                stamp(logger, "prefill", "conn.first_token_sent", req.request_id)
                 self.agent.submit(lambda: self._send_quietly(peer, first))
             t.request_done = True
             hold = not t.settled

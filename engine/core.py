@@ -4,6 +4,7 @@ The offline LLM and the server's engine-core process both wrap this class.
 """
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -70,6 +71,9 @@ class EngineCore:
         self.grammars = GrammarCompiler(self.tokenizer_path, self.vocab_size, self.eos_token_ids)
         self.connector = None  # the KV connector's scheduler side (PD disaggregation)
         self._inflight: PendingStep | None = None  # --async-scheduling: the step on the GPU now
+        # Where outputs known before a forward pass go at once (the core process sends them to the
+        # API process) instead of waiting for that pass; None: step() returns them (offline LLM).
+        self.emit_early: Callable[[list[RequestOutput]], None] | None = None
         if config.kv_transfer.enabled:
             from tandem.connectors import build_connector
             connector, self.runner.kv_worker = build_connector(config, self.runner, self.hf_config, group)
@@ -123,6 +127,8 @@ class EngineCore:
     def _execute(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Run `out` and wait for it (the synchronous step); returns `outputs` + its outputs."""
         sampled, prompt_logprobs = {}, {}
+        if out.scheduled:
+            outputs = self._emit_early(outputs)
         if self._dp_group is not None:
             sampled, prompt_logprobs = self._lockstep_execute(out)
         elif out.scheduled:
@@ -132,7 +138,11 @@ class EngineCore:
             self._kv_only_step(self._kv_meta(out))
         outputs += self.scheduler.update(out, sampled, prompt_logprobs)
         if not out.scheduled and not outputs and self._dp_group is None:
-            time.sleep(0.001)  # only KV transfers in flight: poll them without spinning a core
+            # only KV transfers in flight: poll them without spinning a core, woken by their news
+            if self.connector is not None:
+                self.connector.wait(0.001)
+            else:
+                time.sleep(0.001)
         return outputs
 
     def _step_async(self) -> list[RequestOutput]:
@@ -156,9 +166,20 @@ class EngineCore:
         out = self.scheduler.schedule()
         # (lockstep ranks launch even with nothing scheduled: every step() agrees exactly once)
         if (out.scheduled or self._dp_group is not None) and all(_async_safe(req) for req, _ in out.scheduled):
+            outputs = self._emit_early(outputs)
             self._launch(out)
             return outputs + self.scheduler.update(SchedulerOutput(), {}, {})  # aborts etc. now
         return self._execute(out, outputs)
+
+    def _emit_early(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Before a forward pass: hand `outputs` and the scheduler's pending ones (a PD decode's
+        forwarded first token: its TTFT) to emit_early now; returns what is left for step()."""
+        if self.emit_early is None:
+            return outputs
+        outputs = outputs + self.scheduler.take_pending_outputs()
+        if outputs:
+            self.emit_early(outputs)
+        return []
 
     def _kv_meta(self, out: SchedulerOutput):
         """What this step transfers (KVStepMeta, for every rank), or None."""

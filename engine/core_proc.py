@@ -64,6 +64,7 @@ class EngineCoreLoop:
         self.request_decoder = msgspec.msgpack.Decoder(EngineRequest)
         self.abort_decoder = msgspec.msgpack.Decoder(list[str])
         self.last_stats_time = 0.0
+        core.emit_early = self.send_outputs
 
     def run(self) -> None:
         # Lockstep DP ranks (expert parallel) must take every step together, idle or not: idle,
@@ -87,9 +88,12 @@ class EngineCoreLoop:
             if lockstep or self.core.has_unfinished_requests():
                 outputs: list[RequestOutput] = self.core.step()
                 if outputs:
-                    self.output.send_multipart([b"OUT", self.encoder.encode(outputs)])
+                    self.send_outputs(outputs)
                 if time.monotonic() - self.last_stats_time > _STATS_PERIOD_S:
                     self.publish_stats()
+
+    def send_outputs(self, outputs: list[RequestOutput]) -> None:
+        self.output.send_multipart([b"OUT", self.encoder.encode(outputs)])
 
     def drain_input(self) -> None:
         while True:

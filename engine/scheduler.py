@@ -13,12 +13,18 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tandem.connectors.stages import side_of, stamp
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.protocol import RequestOutput, SchedulerStats, TokenLogprobs
 from tandem.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+
+def _side(req: Request) -> str:
+    """req's place in a PD pair, for stage stamps (a decode's params are dropped once its KV landed)."""
+    return "decode" if req.remote_computed_tokens else side_of(req.kv_transfer_params)
 
 
 class SchedulerConnector(Protocol):
@@ -47,6 +53,10 @@ class SchedulerConnector(Protocol):
 
     def build_meta(self, scheduled: list[tuple[Request, int]]):
         """What this step transfers (sent with the step to every rank's worker side), or None."""
+
+    def wait(self, timeout_s: float) -> None:
+        """Idle engine with transfers in flight: return after timeout_s, or as soon as a peer's
+        message (block ids, a first token, a finished transfer) may let it make progress."""
 
     def close(self) -> None: ...
 
@@ -103,6 +113,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.pending_outputs)
 
+    def take_pending_outputs(self) -> list[RequestOutput]:
+        """Outputs made without a forward pass since the last update (a PD decode's forwarded first
+        token, aborts, failed transfers); update() would return them first otherwise."""
+        outputs, self.pending_outputs = self.pending_outputs, []
+        return outputs
+
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """Move req to a finished state, free (or hold for a send) its blocks, queue its output."""
         if req.status == RequestStatus.RUNNING:
@@ -135,6 +151,7 @@ class Scheduler:
             if req is None or req.num_output_tokens:
                 continue
             lp = None if logprobs is None else TokenLogprobs(*logprobs)
+            stamp(logger, "decode", "core.first_token_fwd", rid)
             req.all_token_ids.append(token_id)
             req.first_token_logprobs = lp
             req.skipped_draws = 1  # the prefill drew from the request's seeded generator once
@@ -167,6 +184,7 @@ class Scheduler:
                 else:
                     self.fail_request(req, failed[req.request_id])
             elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req.request_id in landed:
+                stamp(logger, "decode", "core.kv_landed", req.request_id)
                 req.num_computed_tokens = req.remote_computed_tokens
                 self.blocks.cache_full_blocks(req)
                 req.status = RequestStatus.WAITING
@@ -253,6 +271,7 @@ class Scheduler:
             req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             self.num_remote_prefills_total += 1
             self.connector.on_blocks_allocated(req, num_remote)
+            stamp(logger, "decode", "core.wait_kv", req.request_id)
             self.waiting.append(req)
             self._take_first_tokens()  # read mode: it came with the request
             return True
@@ -264,6 +283,7 @@ class Scheduler:
             return False
         if fresh:
             req.num_cached_tokens = len(cached) * self.blocks.block_size
+            stamp(logger, _side(req), "core.scheduled", req.request_id)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         out.scheduled.append((req, n))
@@ -274,7 +294,7 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken],
                prompt_logprobs: dict[str, list[TokenLogprobs | None]]) -> list[RequestOutput]:
         """Apply one step's results: advance, append sampled tokens, check stops, emit deltas."""
-        outputs, self.pending_outputs = self.pending_outputs, []
+        outputs = self.take_pending_outputs()
         for req, n in out.scheduled:
             if req.status != RequestStatus.RUNNING:
                 continue
@@ -289,6 +309,7 @@ class Scheduler:
             req.all_token_ids.append(tok.token_id)
             if req.num_output_tokens == 1:
                 req.first_token_logprobs = tok.logprobs  # (a PD prefill hands it to the decode)
+                stamp(logger, _side(req), "core.first_token", req.request_id)
             status = self._check_stop(req, tok.token_id)
             if not self._grammar_accepts(req, tok.token_id):
                 req.error = f"token {tok.token_id} broke the request's output grammar"

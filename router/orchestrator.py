@@ -44,6 +44,7 @@ from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse, Response
 
 from tandem.connectors.params import KVTransferParams, parse_kv_transfer_params
+from tandem.connectors.stages import stamp
 from tandem.router.config import RouterConfig
 from tandem.router.errors import RouterError
 from tandem.router.fanout import MergedRelayResponse, SubRequest, merge_answers, response_id, split_request
@@ -166,6 +167,7 @@ class PDOrchestrator:
         body, raw = await parse_json_body(request)
         client_streams = bool(body.get("stream", False))
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        stamp(logger, "router", "parsed", request_id)
         headers = {"X-Request-Id": request_id}
         if self.config.api_key:  # instances registered with a keyed router accept the router's key
             headers["Authorization"] = f"Bearer {self.config.api_key}"
@@ -218,18 +220,19 @@ class PDOrchestrator:
     async def _collocated(self, inst: Instance, path: str, raw: bytes, client_streams: bool,
                           headers: dict[str, str], finish: OnClose) -> Response:
         stream = await self.upstream.open_stream(inst, path, raw, headers)
-        return await relay(stream, client_streams, finish)
+        return await relay(stream, client_streams, finish, headers["X-Request-Id"])
 
     async def _prefill(self, inst: Instance, path: str, body: dict, headers: dict[str, str]) -> dict:
         start = time.perf_counter()
         answer = await self.upstream.post_json(inst, path, body, headers)
         self.metrics.prefill_seconds.observe(time.perf_counter() - start)
+        stamp(logger, "router", "prefill_answered", headers["X-Request-Id"])
         return answer
 
     async def _pd(self, prefill: Instance, decode: Instance, path: str, body: dict, client_streams: bool,
                   headers: dict[str, str], finish: OnClose) -> Response:
         stream = await self._open_pd(prefill, decode, path, body, headers)
-        return await relay(stream, client_streams, finish)
+        return await relay(stream, client_streams, finish, headers["X-Request-Id"])
 
     async def _open_pd(self, prefill: Instance, decode: Instance, path: str, body: dict,
                        headers: dict[str, str]) -> UpstreamStream:
@@ -275,8 +278,10 @@ class PDOrchestrator:
         except ValueError as e:
             raise RouterError(f"prefill instance {prefill.instance_id} answered {e}", 502,
                               "bad_kv_transfer_params") from None
-        return await self.upstream.open_stream(decode, path, {**body, "kv_transfer_params": kv_transfer_params},
-                                               headers)
+        stream = await self.upstream.open_stream(decode, path, {**body, "kv_transfer_params": kv_transfer_params},
+                                                 headers)
+        stamp(logger, "router", "relay_start", headers["X-Request-Id"])
+        return stream
 
     async def _open_write(self, prefill: Instance, decode: Instance, path: str, body: dict,
                           headers: dict[str, str]) -> UpstreamStream:
@@ -285,13 +290,15 @@ class PDOrchestrator:
                                                                transfer_id=transfer_id, **peer_kv_address(prefill))}
         prefill_body = prefill_request_body(body, path, kv_params(do_remote_decode=True, mode="write",
                                                                   transfer_id=transfer_id, **peer_kv_address(decode)))
-        prefill_task = asyncio.create_task(self._prefill(prefill, path, prefill_body, headers))
+        # decode first: prefill cannot start before decode has said where its KV goes
         decode_task = asyncio.create_task(self.upstream.open_stream(decode, path, decode_body, headers))
+        prefill_task = asyncio.create_task(self._prefill(prefill, path, prefill_body, headers))
         try:
             await self._both_or_first_failure(prefill_task, decode_task)
         except BaseException:
             await _cancel_all(prefill_task, decode_task)
             raise
+        stamp(logger, "router", "relay_start", headers["X-Request-Id"])
         return decode_task.result()
 
     @staticmethod

@@ -8,6 +8,7 @@ import anyio
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from tandem.connectors.stages import stamp
 from tandem.router.errors import RouterError, error_body
 from tandem.router.upstream import UpstreamStream
 
@@ -29,8 +30,9 @@ class RelayResponse(StreamingResponse):
     `on_close(error)` runs once at the end; error is None when the stream completed.
     """
 
-    def __init__(self, upstream: UpstreamStream, on_close: OnClose, upstreams: list[UpstreamStream] | None = None):
-        self._upstream = upstream
+    def __init__(self, upstream: UpstreamStream, on_close: OnClose, upstreams: list[UpstreamStream] | None = None,
+                 request_id: str = ""):
+        self._upstream, self._request_id = upstream, request_id
         self._upstreams = upstreams or [upstream]  # all closed at the end (a merged relay has several)
         self._on_close = on_close
         self._error: RouterError | None = None
@@ -44,8 +46,12 @@ class RelayResponse(StreamingResponse):
 
     async def _chunks(self) -> AsyncIterator[bytes]:
         try:
+            first = True
             async with aclosing(self.relayed()) as chunks:  # closed at once when the client leaves
                 async for chunk in chunks:
+                    if first:
+                        stamp(logger, "router", "first_chunk", self._request_id)
+                        first = False
                     yield chunk
         except RouterError as e:
             logger.warning("stream from instance %s broke: %s", self._upstream.instance.instance_id, e.message)
@@ -68,12 +74,12 @@ class RelayResponse(StreamingResponse):
             self._on_close(self._error)
 
 
-async def relay(upstream: UpstreamStream, client_streams: bool, on_close: OnClose) -> Response:
+async def relay(upstream: UpstreamStream, client_streams: bool, on_close: OnClose, request_id: str = "") -> Response:
     """The client's response for an open upstream response: a RelayResponse (which calls on_close
     when it ends) when the client asked for a stream and the instance sends SSE, else the body read
     whole (on_close is then the caller's to run)."""
     if client_streams and upstream.is_event_stream:
-        return RelayResponse(upstream, on_close)
+        return RelayResponse(upstream, on_close, request_id)
     try:
         content = await upstream.aread()
     finally:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.connectors.params import parse_kv_transfer_params
+from tandem.connectors.stages import side_of, stamp
 from tandem.engine.protocol import EngineRequest, RequestOutput, TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from tandem.router.fanout import choice_seed
@@ -219,6 +220,7 @@ def build_requests(ctx: ServingContext, body: GenerationFields, request_id: str,
             params = sampling_params(body, max_tokens, logprobs, prompt_logprobs, seed, ctx.defaults, logit_bias,
                                      structured)
             rid = f"{request_id}-{i}-{j}"
+            stamp(logger, side_of(kv_transfer_params), "api.built", rid)
             requests.append(EngineRequest(rid, ids, params, arrival, kv_transfer_params))
             choices[rid] = Choice(i * body.n + j, rid, i, ids, drop_output=drop_output, arrival_time=arrival,
                                   detok=IncrementalDetokenizer(ctx.tokenizer, ids, stops, body.skip_special_tokens))
@@ -230,7 +232,10 @@ async def run_choices(ctx: ServingContext, requests: list[EngineRequest],
     """Send the requests, apply each output to its choice, abort a choice when a stop string
     ends it. Leaving early (error, client disconnect) aborts whatever still runs."""
     metrics = ctx.metrics
+    side = side_of(requests[0].kv_transfer_params) if requests else "colloc"
     async with ctx.client.add_requests(requests) as stream:
+        for req in requests:
+            stamp(logger, side, "api.sent", req.request_id)
         try:
             async for out in stream:
                 choice = choices[out.request_id]
@@ -238,6 +243,7 @@ async def run_choices(ctx: ServingContext, requests: list[EngineRequest],
                 delta = choice.apply(out)
                 if out.new_token_ids:
                     if choice.first_token_time is None:
+                        stamp(logger, side, "api.first_token", out.request_id)
                         choice.first_token_time = now
                         metrics.ttft.observe(now - choice.arrival_time)
                     else:

@@ -1,6 +1,8 @@
 """KV block accounting and request states: nothing leaks after completion, abort,
 preemption or a failed remote transfer; WAITING_FOR_REMOTE_KVS is skipped until its KV lands.
 Reference for the remote-KV scenario: the same engine's collocated output."""
+import time
+
 import pytest
 
 from tandem.engine import LLM, SamplingParams
@@ -60,6 +62,9 @@ class FakeConnector:
 
     def take_first_tokens(self):
         return {}
+
+    def wait(self, timeout_s):
+        time.sleep(timeout_s)
 
     def close(self):
         pass
@@ -248,3 +253,52 @@ def test_prefills_from_start_flag(tiny_models):
     assert seen[1] == ([("a", 8, 8)], False) and seen[2] == ([("a", 16, 4)], False)
     assert seen[3] == ([("a", 20, 1)], True)  # decodes only
     assert seen[4] == ([("a", 21, 1), ("b", 0, 5)], True)  # a decode next to a fresh prefill
+
+
+class LateFirstTokenConnector(CopyConnector):
+    """Write-mode order: the prefill's first token arrives together with the last of the KV (in
+    the poll that lands it), so the decode's first step is scheduled in the same step()."""
+
+    def take_first_tokens(self):
+        ready = {rid: tok for rid, tok in self.tokens.items() if self.pending.get(rid, [0])[0] <= 1}
+        for rid in ready:
+            del self.tokens[rid]
+        return ready
+
+
+@pytest.mark.parametrize("logprobs", [None, 1], ids=["async-step", "sync-step"])
+def test_forwarded_first_token_goes_out_before_the_first_decode_step(tiny_models, logprobs):
+    """A PD decode emits the prefill's first token (its TTFT) before it runs its own first
+    forward pass, not after it; the engine core process sends such outputs through emit_early.
+    Reference: the same engine's collocated greedy tokens."""
+    path = tiny_models["llama"][0]
+    prompt = list(range(40, 63))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=logprobs)
+    expected = LLM(path, block_size=4).generate([prompt], params)[0].token_ids
+
+    prefill = LLM(path, block_size=4)
+    prefill.engine.set_connector(HoldConnector())
+    prefill.engine.add_request(EngineRequest("p", prompt, SamplingParams(max_tokens=1, temperature=0)))
+    first = next(o for _ in range(3) for o in prefill.engine.step())
+    decode = LLM(path, block_size=4, enable_prefix_caching=False)
+    core = decode.engine
+    core.set_connector(LateFirstTokenConnector(prefill, decode, delay=2, first_token=first.new_token_ids[0]))
+    events = []
+
+    def emit(outputs):
+        events.extend(("out", t) for o in outputs for t in o.new_token_ids)
+
+    def recorded(run):
+        def forward(out, *args, **kwargs):
+            events.append(("forward", None))
+            return run(out, *args, **kwargs)
+        return forward
+
+    core.emit_early = emit
+    core.runner.launch, core.runner.execute = recorded(core.runner.launch), recorded(core.runner.execute)
+    remote_blocks = first.kv_transfer_params["remote_block_ids"]
+    core.add_request(EngineRequest("remote", prompt, params, kv_transfer_params={"remote_block_ids": remote_blocks}))
+    while core.has_unfinished_requests():
+        emit(core.step())
+    assert [t for kind, t in events if kind == "out"] == expected
+    assert events[0] == ("out", expected[0]) and events[1][0] == "forward"
