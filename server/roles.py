@@ -203,7 +203,8 @@ def run_disagg(args: argparse.Namespace) -> int:
         logger.info("started %s: %s", name, " ".join(cmd))
 
     router_argv = ["--role", "router", "--host", args.host, "--port", str(args.port),
-                   "--registry-port", str(registry_port)]
+                   "--registry-port", str(registry_port),  # the instances register over loopback
+                   "--registry-host", getattr(args, "registry_host", None) or "127.0.0.1"]
     for flag in ("routing_policy", "kv_mode"):
         if getattr(args, flag, None):
             router_argv += ["--" + flag.replace("_", "-"), getattr(args, flag)]

@@ -64,10 +64,12 @@ def test_tp2_tree_listens_only_on_its_printed_ports(model_dir, tmp_path_factory)
         assert sorted(p for name, ports in printed.items() if name != "router" for p in ports) == \
             list(range(base + 1, base + NUM_PORTS))
         derived = {p for ports in printed.values() for p in ports}
+        rendezvous = {printed[f"{r}-0"][-1] for r in ("prefill", "decode")}  # torch's TCPStore: every interface
         found, others = set(), {}
         for proc, addrs in listeners(tree.proc.pid).items():
             found |= {a.port for a in addrs if a.port in derived}
             others[proc] = [a for a in addrs if a.port not in derived]
+            assert all(a.ip == "127.0.0.1" for a in addrs if a.port in derived - rendezvous), addrs
         assert found == derived  # every printed port is in use (none is a stale promise)
         # gloo: exactly one loopback listener per rank process (the engine core and its rank-1 worker)
         ranks = [p for p in others if "spawn_main" in " ".join(p.cmdline())]
