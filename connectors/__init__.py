@@ -1,5 +1,9 @@
 """Moving KV cache between instances (PD disaggregation): the connector and its transports."""
+import logging
+
 from tandem.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 CONNECTORS = ("TandemConnector",)
 
@@ -35,7 +39,8 @@ def build_connector(config: EngineConfig, runner, hf_config, group=None):
             kv = type(kv)(kv.kv_connector, kv.kv_role, extra)
         scheduler_side = TandemConnector(kv, layout, transport)
     worker = KVConnectorWorker(extra.get("engine_id", "?"), rank, cache, layout, transport,
-                               extra.get("kv_host", "127.0.0.1"), float(extra.get("transfer_timeout_s", 30.0)))
+                               extra.get("kv_host", "127.0.0.1"), float(extra.get("transfer_timeout_s", 30.0)),
+                               data_port(extra, rank))
     mine = [worker.address, scheduler_side.address if scheduler_side else None]
     if tp_size() > 1:
         everyone = [None] * tp_size()
@@ -45,4 +50,14 @@ def build_connector(config: EngineConfig, runner, hf_config, group=None):
     worker.notify = everyone[0][1]
     if scheduler_side is not None:
         scheduler_side.rank_addresses = [addr for addr, _ in everyone]
+        logger.info("KV connector of %s: handshake at %s, rank data at %s", kv.kv_role, scheduler_side.address,
+                    ", ".join(scheduler_side.rank_addresses))
     return scheduler_side, worker
+
+
+def data_port(extra: dict, rank: int) -> int:
+    """Rank `rank`'s KV data port: `data_port` + rank, by default the handshake port + 1 + rank
+    (0, a free port, where neither is set)."""
+    handshake = int(extra.get("handshake_port", 0))
+    first = int(extra.get("data_port", handshake + 1 if handshake else 0))
+    return first + rank if first else 0

@@ -34,10 +34,16 @@ class KVAgent:
         self.ctx = zmq.Context()
         self.server = self.ctx.socket(zmq.ROUTER)
         self.server.setsockopt(zmq.LINGER, 0)
-        if port:
-            self.server.bind(f"tcp://{host}:{port}")
-        else:
-            port = self.server.bind_to_random_port(f"tcp://{host}")
+        try:
+            if port:
+                self.server.bind(f"tcp://{host}:{port}")
+            else:  # asked for: a free port
+                port = self.server.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as e:
+            self.server.close()
+            self.ctx.term()
+            raise OSError(f"{name}: cannot listen on {host}:{port}: {e}; another process holds it (choose other "
+                          f"ports: --kv-port, --base-port or the port lists)") from None
         self.address = f"{host}:{port}"
         self.jobs: queue.Queue = queue.Queue()
         self.sockets: dict[str, zmq.Socket] = {}

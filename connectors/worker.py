@@ -24,10 +24,11 @@ _MAX_CLOSED = 4096
 
 class KVConnectorWorker:
     def __init__(self, engine_id: str, rank: int, kv_cache: torch.Tensor, layout: KVLayout, transport: str,
-                 host: str, timeout_s: float):
-        """kv_cache: this rank's [2, layers, blocks, block_size, layout.heads_per_rank, head_dim]."""
+                 host: str, timeout_s: float, port: int = 0):
+        """kv_cache: this rank's [2, layers, blocks, block_size, layout.heads_per_rank, head_dim];
+        port: where this rank's agent listens (0: a free port)."""
         self.engine_id, self.rank, self.kv_cache, self.layout = engine_id, rank, kv_cache, layout
-        self.agent = KVAgent(f"kv-data-{engine_id}-r{rank}", host, 0, timeout_s, self._handle)
+        self.agent = KVAgent(f"kv-data-{engine_id}-r{rank}", host, port, timeout_s, self._handle)
         self.transport = make_transport(transport, kv_cache, self.agent)
         self.notify: str | None = None  # the scheduler side's control address (set after the ranks meet)
         self.closed: dict[str, None] = {}  # write transfers over: late data is dropped (server thread reads)

@@ -76,18 +76,16 @@ def run_api_server(args: argparse.Namespace) -> int:
     from tandem.engine.config import config_from_args
     from tandem.server.api import build_app
     from tandem.server.engine_client import EngineClient, EngineStartupError
-    from tandem.router.lifecycle import (GracefulServer, Lifecycle, PortInUseError, bind_socket,
-                                          check_port_free)
+    from tandem.router.lifecycle import GracefulServer, Lifecycle, PortInUseError, bind_socket
     from tandem.server.tokenizer import Tokenizer
 
     config = config_from_args(args)
     try:
         sock = bind_socket(args.host, args.port, "the HTTP API")
         if args.role in ("prefill", "decode"):
-            from tandem.server.roles import pd_config
+            from tandem.server.roles import check_pd_ports, pd_config
             config = pd_config(args, config)
-            kv_port = int(config.kv_transfer.kv_connector_extra_config["handshake_port"])
-            check_port_free("0.0.0.0", kv_port, "the KV handshake", "--kv-port")
+            check_pd_ports(args, config)
     except PortInUseError as exc:
         logger.error("%s", exc)
         return 1

@@ -14,7 +14,8 @@ import time
 import uuid
 
 from tandem.engine.config import EngineConfig, KVTransferConfig, add_engine_args
-from tandem.server.disagg_ports import add_disagg_port_args, check_ports_free, plan_ports
+from tandem.server.disagg_ports import (InstancePorts, add_disagg_port_args, check_instance_ports, check_ports_free,
+                                         instance_ports, plan_ports)
 from tandem.router.lifecycle import PortInUseError
 
 logger = logging.getLogger("tandem.server.roles")
@@ -31,7 +32,10 @@ def add_pd_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transport", choices=["tcp", "ipc", "mori", "nixl"], default="tcp",
                    help="prefill/decode/disagg: how KV blocks move (ipc: GPUs of one node; nixl: NVIDIA RDMA "
                         "across nodes; mori: ROCm RDMA)")
-    g.add_argument("--kv-port", type=int, default=0, help="prefill/decode: KV handshake port (0: a free one)")
+    g.add_argument("--kv-port", type=int, default=None,
+                   help="prefill/decode: KV handshake port (default --port + 1); rank r's KV data port is "
+                        "KV+1+r, then with TP > 1 the torch.distributed rendezvous is KV+1+TP unless "
+                        "--master-port is given (0: free KV ports)")
     g.add_argument("--num-prefill", type=int, default=1, help="disagg: prefill instances")
     g.add_argument("--num-decode", type=int, default=1, help="disagg: decode instances")
     g.add_argument("--prefill-gpus", default=None,
@@ -53,21 +57,37 @@ def free_port() -> int:
 
 def pd_config(args: argparse.Namespace, config: EngineConfig) -> EngineConfig:
     """The instance's EngineConfig with its KV-transfer part filled in: kv_role from the role,
-    --kv-transfer-config's connector and extra settings (timeouts, ...) kept, and a concrete
-    handshake port, so it can be advertised."""
+    --kv-transfer-config's connector and extra settings (timeouts, ...) kept, and concrete ports
+    (instance_ports(): handshake, per-rank KV data, TP rendezvous), so they can be advertised."""
     kv = KVTransferConfig(kv_connector=config.kv_transfer.kv_connector or "TandemConnector",
                           kv_role=KV_ROLES[args.role],
                           kv_connector_extra_config=dict(config.kv_transfer.kv_connector_extra_config))
     extra = {"transport": args.kv_transport, "kv_host": args.advertise_host, **kv.kv_connector_extra_config}
-    if not int(extra.get("handshake_port", 0)):
-        extra["handshake_port"] = args.kv_port or free_port()
+    ports = instance_pd_ports(args, config, int(extra.get("handshake_port", 0)))
+    extra["handshake_port"] = ports.kv or free_port()  # advertised to the router, so concrete
+    extra.setdefault("data_port", ports.kv_data)
     extra.setdefault("engine_id", f"{args.role}-{args.advertise_host}-{args.port}-{uuid.uuid4().hex[:6]}")
     parallel = config.parallel
-    if parallel.tensor_parallel_size > 1 and getattr(args, "master_port", None) is None:
-        # Several TP instances share a node: each needs its own rendezvous port.
-        parallel = dataclasses.replace(parallel, master_port=free_port())
+    if ports.master is not None:
+        parallel = dataclasses.replace(parallel, master_port=ports.master)
     return dataclasses.replace(config, parallel=parallel,
                                kv_transfer=dataclasses.replace(kv, kv_connector_extra_config=extra))
+
+
+def instance_pd_ports(args: argparse.Namespace, config: EngineConfig, handshake_port: int = 0) -> InstancePorts:
+    """A prefill/decode instance's ports: --kv-port (or the config's handshake_port), default
+    --port + 1, and what follows it; --master-port wins for the rendezvous."""
+    kv = handshake_port or (args.kv_port if args.kv_port is not None else (args.port + 1 if args.port else 0))
+    return instance_ports(args.port, kv, config.parallel.tensor_parallel_size, getattr(args, "master_port", None))
+
+
+def check_pd_ports(args: argparse.Namespace, config: EngineConfig) -> None:
+    """Log the instance's ports; PortInUseError when one is taken (the HTTP one is bound already)."""
+    extra, tp = config.kv_transfer.kv_connector_extra_config, config.parallel.tensor_parallel_size
+    ports = InstancePorts(args.port, int(extra["handshake_port"]), int(extra.get("data_port", 0)), tp,
+                          config.parallel.master_port if tp > 1 else None)
+    logger.info("%s ports: %s", args.role, ports.describe())
+    check_instance_ports(ports, "this instance", "--kv-port / --master-port", set(), http_bound=True)
 
 
 def start_registration(args: argparse.Namespace, config: EngineConfig, client):
@@ -156,7 +176,9 @@ def run_disagg(args: argparse.Namespace) -> int:
     port is fixed (and checked free) before the first child starts. SIGTERM drains the router
     first, then the instances. The API key reaches the children through the environment (not
     their command lines, which `ps` shows)."""
-    ports = plan_ports(args, free_port)
+    tp = {"prefill": args.prefill_tp or args.tensor_parallel_size or 1,
+          "decode": args.decode_tp or args.tensor_parallel_size or 1}
+    ports = plan_ports(args, tp)
     try:
         check_ports_free(ports, args.host, args.port)
     except PortInUseError as exc:
@@ -170,8 +192,6 @@ def run_disagg(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     if args.api_key:
         env["TANDEM_API_KEY"] = args.api_key
-    tp = {"prefill": args.prefill_tp or args.tensor_parallel_size or 1,
-          "decode": args.decode_tp or args.tensor_parallel_size or 1}
     prefill_gpus, decode_gpus = _gpus_in_order(args, tp)
     if len(prefill_gpus) != args.num_prefill or len(decode_gpus) != args.num_decode:
         raise SystemExit("server: --prefill-gpus / --decode-gpus must list one GPU per instance")
@@ -183,7 +203,8 @@ def run_disagg(args: argparse.Namespace) -> int:
         logger.info("started %s: %s", name, " ".join(cmd))
 
     router_argv = ["--role", "router", "--host", args.host, "--port", str(args.port),
-                   "--registry-port", str(registry_port)]
+                   "--registry-port", str(registry_port),  # the instances register over loopback
+                   "--registry-host", getattr(args, "registry_host", None) or "127.0.0.1"]
     for flag in ("routing_policy", "kv_mode"):
         if getattr(args, flag, None):
             router_argv += ["--" + flag.replace("_", "-"), getattr(args, flag)]
@@ -195,8 +216,8 @@ def run_disagg(args: argparse.Namespace) -> int:
                     "--kv-port", str(role_ports[i].kv),
                     "--router-address", f"127.0.0.1:{registry_port}", "--kv-transport", args.kv_transport, *base,
                     "--tensor-parallel-size", str(tp[role])]
-            if tp[role] > 1:  # the instance's torch.distributed rendezvous (loopback only)
-                argv += ["--master-port", str(free_port())]
+            if role_ports[i].master is not None:  # the instance's torch.distributed rendezvous (loopback only)
+                argv += ["--master-port", str(role_ports[i].master)]
             if gpu is not None:
                 argv += ["--device", f"cuda:{gpu}"]
             elif args.device is not None:
