@@ -18,72 +18,9 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.triton import fp8_skinny
+from tandem.kernels.triton.fp8_skinny import quantize_rows_triton
 from tandem.kernels.triton.moe import _align, _sum_topk, gated_scatter_store
 from tandem.kernels.triton.pdl import launch_args, wait_previous
-
-
-@triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, G, fp8_max,
-                       GROUP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, group): s = amax(|x|) / fp8_max over the group's GROUP columns, q = x / s."""
-    wait_previous(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    grp = tl.program_id(1)
-    lo = grp * GROUP
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for c0 in range(0, GROUP, BLOCK):
-        cols = lo + c0 + tl.arange(0, BLOCK)
-        mask = (cols < K) & (c0 + tl.arange(0, BLOCK) < GROUP)
-        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0) / fp8_max, 1e-12)
-    tl.store(s_ptr + row * G + grp, scale)
-    for c0 in range(0, GROUP, BLOCK):
-        cols = lo + c0 + tl.arange(0, BLOCK)
-        mask = (cols < K) & (c0 + tl.arange(0, BLOCK) < GROUP)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
-        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, G, fp8_max,
-                         GROUP: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, GROUPS consecutive groups of GROUP columns): each group's scale and values in
-    one pass, the tile held in registers (fp8_skinny._quant_tile, as the decode GEMM does)."""
-    wait_previous(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    gi = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    cols = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    mask = (cols < K) & (gi < G)[:, None]
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    q, s = fp8_skinny._quant_tile(x, fp8_max, q_ptr.dtype.element_ty)
-    tl.store(s_ptr + row * G + gi, s, mask=gi < G)
-    tl.store(q_ptr + row * stride_q + cols, q, mask=mask)
-
-
-def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, group: int | None,
-                         pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """kernels.fp8.quantize_rows on the GPU. x: [M, K] -> (q [M, K] dtype, s [M, G] float32).
-    Groups of a power of two <= 1024 columns: 1024 columns a program, one pass; per token: a
-    program per row, two passes over it. pdl: launched with PDL (the decode GEMM's, which is)."""
-    m, k = x.shape
-    group = group or k
-    g = triton.cdiv(k, group)
-    q = torch.empty(m, k, device=x.device, dtype=dtype)
-    s = torch.empty(m, g, device=x.device, dtype=torch.float32)
-    if not m:
-        return q, s
-    fmax = float(torch.finfo(dtype).max)
-    if group <= 1024 and group & (group - 1) == 0:
-        groups = 1024 // group
-        _quant_groups_kernel[(m, triton.cdiv(g, groups))](x, q, s, k, x.stride(0), q.stride(0), g, fmax,
-                                                          GROUP=group, GROUPS=groups, num_warps=4,
-                                                          **launch_args(x, pdl))
-    else:
-        block = min(1024, triton.next_power_of_2(group))
-        _quant_rows_kernel[(m, g)](x, q, s, k, x.stride(0), q.stride(0), g, fmax, GROUP=group, BLOCK=block,
-                                   num_warps=4, **launch_args(x, pdl))
-    return q, s
 
 
 @triton.jit
@@ -193,7 +130,7 @@ def _torch_prefill(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | No
     row-wise _scaled_mm (per-channel) and CUTLASS's 1x128 x 128x128 block-wise scaled_mm ran at
     92-100% and 82-92% of _scaled_mm's speed on an H100 where our prefill tile ran at 78-92% and
     46-53% (benchmarks/RESULTS.md). CUDA sm_90+ with K and N multiples of 16 (and of 128 for blocks)."""
-    if torch.version.cuda is None or torch.cuda.get_device_capability(x.device) < (9, 0):
+    if x.device.type != "cuda" or torch.version.cuda is None or torch.cuda.get_device_capability(x.device) < (9, 0):
         return False
     n, k = w.shape
     if block is None:

@@ -15,7 +15,7 @@ kernels.fp8.quantize_rows does, instead of a quantization launch ahead of it:
     accumulator by that and the weight block's scale.
   per-channel: a first pass over the row's K finds each row's amax (the program reads its rows'
     whole K, which is why plans turn it on only for very few rows); the sum is scaled at the end.
-Without QUANT, x is fp8 with its scales from kernels/triton/fp8.py's quantize_rows_triton.
+Without QUANT, x is fp8 with its scales from quantize_rows_triton below.
 
 Tile plans come from PLANS, keyed by (row bucket, N, K, K block) with a rule-made default
 (plan()); `plans()` lists every distinct one a model's shapes can take. No autotuning at serve
@@ -239,7 +239,6 @@ def fp8_skinny_normed_triton(sg: torch.Tensor, w: torch.Tensor, w_scale: torch.T
 
 
 def _launch(x, w, w_scale, block, cfg, pdl, norm_out=None, norm_in=None):
-    from tandem.kernels.triton.fp8 import quantize_rows_triton
     m, k = x.shape
     n = w.shape[0]
     if not supports(m, block) or w.shape[1] != k:
@@ -276,3 +275,70 @@ def _launch(x, w, w_scale, block, cfg, pdl, norm_out=None, norm_in=None):
         QUANT=quant, NORM_OUT=norm_out is not None, NORM_IN=norm_in is not None,
         S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in is not None else 1, **cfg, **launch_args(x, pdl))
     return out, sg, ss
+
+
+# ---- activation quantization launched ahead of a GEMM (the prefill tile's; the decode tile's
+# when its plan does not quantize in the GEMM) ----------------------------------------------
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, G, fp8_max,
+                       GROUP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, group): s = amax(|x|) / fp8_max over the group's GROUP columns, q = x / s."""
+    wait_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1)
+    lo = grp * GROUP
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, GROUP, BLOCK):
+        cols = lo + c0 + tl.arange(0, BLOCK)
+        mask = (cols < K) & (c0 + tl.arange(0, BLOCK) < GROUP)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0) / fp8_max, 1e-12)
+    tl.store(s_ptr + row * G + grp, scale)
+    for c0 in range(0, GROUP, BLOCK):
+        cols = lo + c0 + tl.arange(0, BLOCK)
+        mask = (cols < K) & (c0 + tl.arange(0, BLOCK) < GROUP)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, G, fp8_max,
+                         GROUP: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, GROUPS consecutive groups of GROUP columns): each group's scale and values in
+    one pass, the tile held in registers (_quant_tile, as the decode GEMM does)."""
+    wait_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    gi = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = (cols < K) & (gi < G)[:, None]
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    q, s = _quant_tile(x, fp8_max, q_ptr.dtype.element_ty)
+    tl.store(s_ptr + row * G + gi, s, mask=gi < G)
+    tl.store(q_ptr + row * stride_q + cols, q, mask=mask)
+
+
+def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, group: int | None,
+                         pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.fp8.quantize_rows on the GPU. x: [M, K] -> (q [M, K] dtype, s [M, G] float32).
+    Groups of a power of two <= 1024 columns: 1024 columns a program, one pass; per token: a
+    program per row, two passes over it. pdl: launched with PDL (the decode GEMM's, which is)."""
+    m, k = x.shape
+    group = group or k
+    g = triton.cdiv(k, group)
+    q = torch.empty(m, k, device=x.device, dtype=dtype)
+    s = torch.empty(m, g, device=x.device, dtype=torch.float32)
+    if not m:
+        return q, s
+    fmax = float(torch.finfo(dtype).max)
+    if group <= 1024 and group & (group - 1) == 0:
+        groups = 1024 // group
+        _quant_groups_kernel[(m, triton.cdiv(g, groups))](x, q, s, k, x.stride(0), q.stride(0), g, fmax,
+                                                          GROUP=group, GROUPS=groups, num_warps=4,
+                                                          **launch_args(x, pdl))
+    else:
+        block = min(1024, triton.next_power_of_2(group))
+        _quant_rows_kernel[(m, g)](x, q, s, k, x.stride(0), q.stride(0), g, fmax, GROUP=group, BLOCK=block,
+                                   num_warps=4, **launch_args(x, pdl))
+    return q, s

@@ -88,7 +88,8 @@ def _main() -> None:
 
     linear.use_triton = fp8.use_triton = lambda t: True  # the interpreter runs the Triton path on CPU
     fp8.has_fp8_compute = lambda device: True
-    triton_fp8.quantize_rows_triton = lambda x, dtype, group, pdl=False: fp8.quantize_rows(x, dtype, group)
+    triton_fp8.quantize_rows_triton = fp8_skinny.quantize_rows_triton = (
+        lambda x, dtype, group, pdl=False: fp8.quantize_rows(x, dtype, group))
     plan = fp8_skinny.default_plan
     fp8_skinny.default_plan = lambda *a, **kw: dict(plan(*a, **kw), QUANT=False)
     results = {}

@@ -196,7 +196,9 @@ def _interpreter_main() -> None:
     except Exception as exc:
         results["quant"] = f"{type(exc).__name__}: {exc}"
     # (the interpreter's e4m3 cast misrounds; docstring)
-    triton_fp8.quantize_rows_triton = lambda x, dtype, group, pdl=False: quantize_rows(x, dtype, group)
+    from tandem.kernels.triton import fp8_skinny
+    triton_fp8.quantize_rows_triton = fp8_skinny.quantize_rows_triton = (
+        lambda x, dtype, group, pdl=False: quantize_rows(x, dtype, group))
     skinny = [lambda case=case: run_gemm_case(case[:4], "cpu", E4M3, case[4]) for case in SKINNY_CASES]
     for idx, fn in enumerate(skinny):
         try:
