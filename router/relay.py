@@ -79,7 +79,7 @@ async def relay(upstream: UpstreamStream, client_streams: bool, on_close: OnClos
     when it ends) when the client asked for a stream and the instance sends SSE, else the body read
     whole (on_close is then the caller's to run)."""
     if client_streams and upstream.is_event_stream:
-        return RelayResponse(upstream, on_close, request_id)
+        return RelayResponse(upstream, on_close, request_id=request_id)
     try:
         content = await upstream.aread()
     finally:
