@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_model import build_tiny_model
-from tests.ports import free_port
+from tests.ports import free_port_range
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GSM8K = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
@@ -29,7 +29,9 @@ class ServerProcess:
     def __init__(self, log_path: Path, args: list[str]):
         """`python -m tandem.server --host 127.0.0.1 --port <free> *args`; its name is the log's stem."""
         self.name = log_path.stem
-        self.port = free_port()
+        # a block of free ports below the ephemeral range: a prefill/decode instance derives its KV,
+        # KV data and rendezvous ports from --port (port + 1, ...)
+        self.port = free_port_range(8)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "tandem.server", "--host", "127.0.0.1", "--port", str(self.port), *args]
