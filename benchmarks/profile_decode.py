@@ -13,6 +13,7 @@ and, per linear layer of layer 0, the GEMM at this batch (achieved GB/s). To pro
 kernel configuration, pass its flags (--no-pdl, --no-fuse-norms, ...: engine/config.py, KernelConfig).
 
   python -m benchmarks.profile_decode --model llama3-8b --batch 1 --context 1024 --out p.json
+  python -m benchmarks.profile_decode --fp8 block --kv-cache-dtype fp8 --batch 1   # an FP8 step
 """
 import argparse
 import gc
@@ -227,6 +228,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--fp8", choices=["none", "block", "channel"], default="none",
+                    help="FP8 weights, as benchmarks.roofline --fp8 builds them")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the engine's --kv-cache-dtype")
     kernel_flags(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -235,7 +239,7 @@ def main() -> None:
 
     bw = copy_bandwidth()
     # the synchronous step: its host phases are what this script times
-    llm = build(args.model, max_num_batched_tokens=4096, max_num_seqs=max(args.batch, 8), max_model_len=8192,
+    llm = build(args.model, args.fp8, kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=4096, max_num_seqs=max(args.batch, 8), max_model_len=8192,
                 gpu_memory_utilization=0.9, cuda_graph_sizes=(args.batch,), async_scheduling=False,
                 **kernel_kwargs(args))
     core = llm.engine
@@ -253,7 +257,8 @@ def main() -> None:
     results = []
     results.append(profile_variant(llm, args.batch, "current", True, args.steps))
     print_variant(results[-1], floor_us)
-    linears = linear_table(llm.engine.runner.model, args.batch, bw)
+    # FP8 GEMMs against torch._scaled_mm per shape: benchmarks.roofline --fp8-kernels
+    linears = linear_table(llm.engine.runner.model, args.batch, bw) if args.fp8 == "none" else []
     print("\nlinear layers of layer 0, us per call inside a graph of back-to-back calls (of copy bandwidth):")
     for r in linears:
         print(f"    {r['linear']:<24}{str(r['shape']):<16} cuBLAS {r['us']:>7.1f} ({r['of_copy_bw']:.0%})"
