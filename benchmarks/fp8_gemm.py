@@ -15,6 +15,7 @@ import itertools
 import torch
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # Llama-3-8B qkv, o, gate_up, down
+SHAPES_30B = [(5120, 2048), (2048, 4096)]  # Qwen3-30B-A3B qkv, o (its experts take the MoE kernel)
 ROWS = (1, 16, 32, 64, 4096)
 
 
@@ -152,3 +153,90 @@ def sweep_rows(rows_list=(1, 64, 4096)) -> list[dict]:
     print("best plan per shape (decode rows: fp8_skinny.PLANS entries):")
     print("\n".join(best))
     return rows
+
+
+def _cold_candidates(m: int, n: int, k: int, block_k) -> list[dict]:
+    """The decode-tile plans the cold sweep tries: strip width x split x warps x the activation
+    quantization in the GEMM or ahead (at 16 rows, where the rule may do either)."""
+    from tandem.kernels.triton.fp8_skinny import default_plan, row_bucket
+    bucket = row_bucket(m)
+    base = default_plan(bucket, n, k, block_k)
+    out = []
+    quants = (True, False) if bucket == 16 else (False,)
+    for bn, split, warps, quant in itertools.product((16, 32, 64), (1, 2, 4, 8, 16), (2, 4), quants):
+        if k % (split * base["BLOCK_K"]) == 0 and k // split >= base["BLOCK_K"]:
+            out.append(dict(base, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, QUANT=quant))
+    return out
+
+
+def cold_sweep_rows(rows_list=(1,), layouts=("block",)) -> list[dict]:
+    """Decode-tile plans timed as a decode step runs them: back to back inside a CUDA graph over
+    weight copies that do not fit in L2 (do_bench on one weight reads it from L2). Each row's
+    ceiling is the copy bandwidth measured now: of_floor = (weight + scale bytes) / time / bandwidth.
+    Also the bf16 skinny GEMM on the same shape (twice the bytes) and the plan the rule picks."""
+    from benchmarks.profile_decode import _in_graph_us
+    from benchmarks.roofline import copy_bandwidth
+    from tandem.kernels.fp8 import fp8_linear_ref
+    from tandem.kernels.linear import linear
+    from tandem.kernels.triton.fp8 import fp8_linear_triton
+    from tandem.kernels.triton.fp8_skinny import plan, row_bucket
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + written)", flush=True)
+    rows, best = [], []
+    for m in rows_list:
+        for n, k in SHAPES + SHAPES_30B:
+            for layout in layouts:
+                block = (128, 128) if layout == "block" else None
+                x, wq, ws = _operands(m, n, k, block)
+                nbytes = wq.numel() + ws.numel() * 4
+                copies = max(2, -(-256 * 2**20 // nbytes))
+                wqs = [wq] + [wq.clone() for _ in range(copies - 1)]
+                calls = min(copies, 16)
+                ref = fp8_linear_ref(x, wq, ws, block).float()
+                w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(-(-copies // 2))]
+                bf16_us = _in_graph_us(lambda i: linear(x, w16[i]), len(w16), min(len(w16), 16))
+                print(f"{m}x{n}x{k} {layout}: bf16 skinny {bf16_us:.1f} us "
+                      f"({2 * n * k / (bf16_us * 1e-6) / bw:.0%} of copy bw)", flush=True)
+                bk = block[1] if block else None
+                rule = plan(m, n, k, bk)
+                timed = []
+                for cand in [rule] + _cold_candidates(m, n, k, bk):
+                    try:
+                        err = ((fp8_linear_triton(x, wq, ws, block, cand).float() - ref).norm() / ref.norm()).item()
+                        us = _in_graph_us(lambda i: fp8_linear_triton(x, wqs[i], ws, block, cand), copies, calls)
+                    except Exception as exc:  # a plan that does not fit: reported, skipped
+                        print(f"skipped {cand}: {type(exc).__name__}: {exc}"[:200], flush=True)
+                        continue
+                    if not err < 2e-2:
+                        print(f"WRONG {m}x{n}x{k} {cand}: relative error {err:.3g}", flush=True)
+                        continue
+                    timed.append((us, cand))
+                    rows.append(dict(model="fp8-gemm-cold", what=f"{m}x{n}x{k} {layout}", us=us,
+                                     of_floor=nbytes / (us * 1e-6) / bw, plan=cand, rule=cand is rule))
+                us_rule = timed[0][0] if timed and timed[0][1] is rule else float("nan")
+                us, cand = min(timed, key=lambda t: t[0])
+                line = (f"    {(row_bucket(m), n, k, bk)}: {cand},  # {us:.1f} us, "
+                        f"{nbytes / (us * 1e-6) / bw:.0%} of copy bw; rule {us_rule:.1f} us")
+                print(line, flush=True)
+                best.append(line)
+                del wqs, w16
+                torch.cuda.empty_cache()
+    print("best cold plan per shape (fp8_skinny.PLANS entries):")
+    print("\n".join(best))
+    return rows
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+    import time
+    from pathlib import Path
+    ap = argparse.ArgumentParser(description="the decode-tile plan sweep on cold weights (cold_sweep_rows)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1])
+    ap.add_argument("--layouts", nargs="+", choices=["block", "channel"], default=["block"])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    result = cold_sweep_rows(tuple(args.rows), tuple(args.layouts))
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
+                                                  rows=result), indent=1))

@@ -157,10 +157,35 @@ def row_bucket(m: int) -> int:
     return next(b for b in ROW_BUCKETS if m <= b)
 
 
-# Hand-set plans: (row bucket, N, K, the weight's K block or None per-channel) -> plan, as
-# `python -m benchmarks.roofline --models --fp8-sweep` prints them (it checks and times the
-# candidates of each Llama-3-8B projection). None measured yet: every shape takes default_plan.
-PLANS: dict[tuple[int, int, int, int | None], dict] = {}
+def _plan(bn: int, bk: int, split: int, quant: bool, warps: int) -> dict:
+    return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, QUANT=quant, num_warps=warps, num_stages=4)
+
+
+# Measured plans: (row bucket, N, K, the weight's K block or None per-channel) -> plan, the best of
+# `python -m benchmarks.fp8_gemm --rows 1 64 --layouts block channel` (each candidate back to back in
+# a CUDA graph over weights that do not fit in L2, as a decode step reads them; H100, 2026-11-25;
+# Llama-3-8B and Qwen3-30B-A3B projections), where it beat the rule (then: default_plan) by >= 3%.
+# _plan(BLOCK_N, BLOCK_K, SPLIT_K, QUANT, num_warps); the comments: us per call at 1 or 64 rows,
+# that plan / the rule then (which quantized in the GEMM at 16 rows).
+PLANS: dict[tuple[int, int, int, int | None], dict] = {
+    (16, 6144, 4096, 128): _plan(32, 128, 4, False, 2),  # 14.4/19.7
+    (16, 6144, 4096, None): _plan(32, 512, 1, False, 2),  # 14.6/39.5
+    (16, 4096, 4096, 128): _plan(64, 128, 8, True, 4),  # 11.1/17.0
+    (16, 4096, 4096, None): _plan(16, 512, 1, False, 2),  # 11.1/26.0
+    (16, 28672, 4096, 128): _plan(32, 128, 1, False, 2),  # 48.4/62.3
+    (16, 28672, 4096, None): _plan(16, 512, 1, False, 2),  # 50.7/141.8
+    (16, 4096, 14336, 128): _plan(16, 128, 4, False, 2),  # 28.1/45.0
+    (16, 5120, 2048, 128): _plan(64, 128, 8, True, 2),  # 7.5/11.4
+    (16, 5120, 2048, None): _plan(32, 512, 2, False, 4),  # 9.4/20.9
+    (16, 2048, 4096, 128): _plan(64, 128, 16, True, 2),  # 7.0/10.7
+    (16, 2048, 4096, None): _plan(32, 512, 4, False, 4),  # 8.6/14.2
+    (64, 6144, 4096, 128): _plan(64, 128, 2, False, 4),  # 17.9/18.8
+    (64, 6144, 4096, None): _plan(32, 128, 1, False, 4),  # 16.6/17.9
+    (64, 4096, 4096, 128): _plan(32, 128, 2, False, 4),  # 14.2/14.7
+    (64, 28672, 4096, None): _plan(64, 128, 1, False, 4),  # 52.7/56.5
+    (64, 4096, 14336, None): _plan(32, 128, 2, False, 4),  # 40.2/43.7
+    (64, 2048, 4096, 128): _plan(32, 128, 4, False, 4),  # 10.4/10.7
+}
 
 
 def default_plan(bucket: int, n: int, k: int, block_k: int | None, sms: int = 132) -> dict:
@@ -168,16 +193,16 @@ def default_plan(bucket: int, n: int, k: int, block_k: int | None, sms: int = 13
     per-channel), 16-32 column strips; K split in two until the grid has ~2 programs per SM, while
     a split stays >= 4 tiles deep and the float32 partials (split x rows x 4 B, written and read
     per column) stay under a quarter of the weight's K bytes per column; the activation
-    quantization in the GEMM at 16 rows block-scaled (one tile per group, nothing read twice)
-    and per-channel only for K <= 4096 (every program reads its rows' whole K first)."""
+    quantized by the launch ahead (in the GEMM, measured on cold weights at 1 row, it won by at
+    most 1.5 us on a 2048-wide K and lost up to 2.8x per-channel, where every program reads its
+    rows' whole K first: PLANS turns it on where it won)."""
     bn = 16 if bucket == 16 and block_k is None else 32
     bk = block_k if block_k else {16: 512, 32: 256, 64: 128}[bucket]
     strips = triton.cdiv(n, bn)
     split = 1
     while strips * split < 2 * sms and k // (2 * split) >= 4 * bk and 2 * split * bucket * 32 <= k and split < 16:
         split *= 2
-    quant = bucket == 16 and (block_k is not None or k <= 4096)
-    return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, QUANT=quant, num_warps=4 if bucket == 64 else 2,
+    return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, QUANT=False, num_warps=4 if bucket == 64 else 2,
                 num_stages=4)
 
 
