@@ -126,3 +126,42 @@ def test_missing_nixl_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "nixl._api", None)  # makes the import fail
     with pytest.raises(ValueError, match=r"pip install -e '\.\[nixl\]'"):
         NixlTransport(torch.zeros(SHAPE), "test-missing")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("src_device,dst_device", [
+    ("cuda:0", "cuda:0"),
+    pytest.param("cuda:0", "cuda:1", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"))])
+def test_vram_caches_move_blocks_bitwise(src_device, dst_device):
+    """VRAM registration (UCX cuda_copy / cuda_ipc): a read of scattered blocks and a layer-wise write
+    of a run of blocks between two GPU KV caches. Reference: the source cache's blocks, bitwise."""
+    pytest.importorskip("nixl._api", reason="the nixl extra is not installed")
+    from tandem.connectors.nixl import NixlTransport
+
+    shape = (2, 4, 64, 16, 8, 128)  # 8B-like blocks (256 KiB each in bf16), 64 of them, 4 layers
+    gen = torch.Generator(device=src_device).manual_seed(0)
+    src_cache = torch.randn(shape, generator=gen, device=src_device).to(torch.bfloat16)
+    dst_cache = torch.zeros(shape, dtype=torch.bfloat16, device=dst_device)
+    src, dst = NixlTransport(src_cache, "gpu-src", timeout_s=30), NixlTransport(dst_cache, "gpu-dst", timeout_s=30)
+    try:
+        assert src.mem_type == dst.mem_type == "VRAM"
+        src.attach("dst:1", dst.local_info())
+        dst.attach("src:1", src.local_info())
+        remote, local = [0, 1, 2, 40, 63, 7], [10, 11, 12, 3, 0, 62]
+        dst.read("src:1", "r", remote, local)
+        torch.cuda.synchronize(dst_device)
+        assert torch.equal(dst_cache[:, :, local].view(torch.int16).cpu(),
+                           src_cache[:, :, remote].view(torch.int16).cpu())
+        dst_cache.zero_()
+        torch.cuda.synchronize(dst_device)
+        local_w, remote_w = list(range(20, 52)), list(range(30, 62))
+        for layer in range(shape[1]):
+            src.write_layer("dst:1", "w", layer, src.stage_layer(layer, local_w), remote_w)
+        src.flush("dst:1")
+        torch.cuda.synchronize(dst_device)
+        assert torch.equal(dst_cache[:, :, remote_w].view(torch.int16).cpu(),
+                           src_cache[:, :, local_w].view(torch.int16).cpu())
+        assert not dst_cache[:, :, :30].any()  # nothing outside the written blocks
+    finally:
+        src.close()
+        dst.close()

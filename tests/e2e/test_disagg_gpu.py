@@ -1,9 +1,11 @@
-"""PD on one GPU (prefill and decode instances both on cuda:0, `--kv-transport ipc`) against a
-collocated server with the same flags, one request at a time (equal batch composition).
+"""PD on one GPU (prefill and decode instances both on cuda:0, `--kv-transport ipc`; and `nixl`,
+VRAM over UCX, with the default model when its extra is installed) against a collocated server
+with the same flags, one request at a time (equal batch composition).
 Reference: the collocated server's top_logprobs, compared with float equality (bf16 model).
 
 Models: the embedded default model, and a dummy Llama-3-8B-shaped model (`--load-format dummy`:
 both instances draw the same weights from the same --seed on the same device)."""
+import importlib.util
 import subprocess
 import sys
 import time
@@ -17,6 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 KV_BYTES = "4000000000"  # per instance, so that collocated or prefill + decode fit on one GPU
 LENGTHS = [50, 300, 700, 950, 2000]
+NIXL = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="the nixl extra is not installed")
 
 
 def prompt(n: int, salt: int, vocab: int) -> list[int]:
@@ -64,8 +67,9 @@ def dummy_8b(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("model", ["default", "llama3-8b"])
-def test_pd_on_one_gpu_is_bitwise_collocated(model, dummy_8b, tmp_path):
+@pytest.mark.parametrize("model,transport", [("default", "ipc"), ("llama3-8b", "ipc"),
+                                             pytest.param("default", "nixl", marks=NIXL)])
+def test_pd_on_one_gpu_is_bitwise_collocated(model, transport, dummy_8b, tmp_path):
     # compile-ahead changes no numbers, only start-up time: five engines start here, so it is off
     args = ["--served-model-name", "default", "--kv-cache-memory-bytes", KV_BYTES, "--no-compile-ahead"]
     if model != "default":
@@ -79,11 +83,12 @@ def test_pd_on_one_gpu_is_bitwise_collocated(model, dummy_8b, tmp_path):
         colloc.stop()
     for mode in ("read", "write"):
         pd = ServerProcess(tmp_path / f"pd-{mode}.log", ["--role", "disagg", "--prefill-gpus", "0", "--decode-gpus",
-                                                         "0", "--kv-transport", "ipc", "--kv-mode", mode, *args])
+                                                         "0", "--kv-transport", transport, "--kv-mode", mode, *args])
         try:
             wait_serving(pd)
             got = run_cases(pd.url, vocab, max_len)
         finally:
             pd.stop()
         for g, e in zip(got, expected):
-            assert g == e, f"{model}, {mode} mode, prompt of {e[0]} tokens, {e[1]}: PD differs from collocated"
+            assert g == e, (f"{model}, {transport}, {mode} mode, prompt of {e[0]} tokens, {e[1]}: "
+                            "PD differs from collocated")
