@@ -2,15 +2,21 @@
 peer-copy ceiling measured in the same run (one large device-to-device copy between the
 two GPUs; a copy within the GPU when both instances share one).
 
-Two processes (prefill on --src-device, decode on --dst-device), each with a KV cache of a
+Two processes, as in a deployment: the source (prefill) side in a spawned child on --src-device,
+the measuring (decode) side in this process on --dst-device, each with a KV cache of a
 Llama-3-8B layout (32 layers, 8 kv heads, head dim 128, bf16, block 16 = 2 MiB a block),
-joined by the real KV agents. Read mode: the decode side pulls N blocks of all layers and
-times it. Write mode (ipc, nixl): this side pushes N blocks layer by layer, as a prefill
-does, and times until flush() says they landed.
+joined by the real KV agents. Same-process ends would not be representative: CUDA IPC cannot
+open a handle in the process that made it, so UCX (nixl) would fall back to a host path.
+Read mode: the decode side pulls N blocks of all layers and times it. Write mode (ipc, nixl):
+this side pushes N blocks layer by layer, as a prefill does, and times until flush() says they
+landed. --order scattered (default) pairs the blocks in reverse so no two are adjacent on both
+sides (one region per block, layer and k|v: the worst case); contiguous moves them as runs.
 
   python -m benchmarks.kv_transfer --transport ipc --blocks 64 256 1024
   python -m benchmarks.kv_transfer --transport nixl --src-device cuda:0 --dst-device cuda:0 --mode write
 
+nixl: UCX picks its transports itself; UCX_PROTO_INFO=y prints the choice. UCX turns cuda_ipc
+reads (GET) off where NVML shows no active NVLink (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y turns them on).
 Host transports also run between CPU caches (--src-device cpu --dst-device cpu; the ceiling
 is then a memcpy), e.g. to compare tcp and nixl over DRAM.
 """
@@ -98,6 +104,9 @@ def main() -> None:
     ap.add_argument("--dst-device", default="cuda:1")
     ap.add_argument("--blocks", type=int, nargs="+", default=[16, 64, 256, 1024])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--order", default="scattered", choices=["scattered", "contiguous"],
+                    help="scattered: local blocks in reverse of the remote ones (one region per block); "
+                         "contiguous: the same ids on both sides (runs coalesce)")
     ap.add_argument("--out", default=None, help="write results as JSON here")
     args = ap.parse_args()
     if args.mode == "write" and args.transport == "tcp":
@@ -123,7 +132,7 @@ def main() -> None:
         times = []
         for _ in range(args.repeats):
             t = time.perf_counter()
-            move(worker.transport, peer, ids, ids[::-1])
+            move(worker.transport, peer, ids, ids[::-1] if args.order == "scattered" else ids)
             times.append(time.perf_counter() - t)
         med = sorted(times)[len(times) // 2]
         gbps = n * block_bytes / med / 1e9
@@ -131,14 +140,19 @@ def main() -> None:
     stop_q.put(None)
     proc.join(30)
     worker.close()
+    ends = dict(src_pid=proc.pid, dst_pid=os.getpid())
+    ucx = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("UCX_"))
     print(f"transport={args.transport} mode={args.mode} {args.src_device}->{args.dst_device} "
           f"peer-copy ceiling {ceiling:.1f} GB/s (one way, {'256 MiB' if cpu else '1 GiB'} copy, same run); block = {block_bytes / 2**20:.1f} MiB (8B layout, bf16)")
+    print(f"ends in two processes, as in a deployment: source (prefill) pid {ends['src_pid']} on {args.src_device}, "
+          f"measuring (decode) pid {ends['dst_pid']} on {args.dst_device}; order {args.order}"
+          + (f"; {ucx}" if ucx and args.transport == "nixl" else ""))
     print(f"{'blocks':>7} {'MiB':>8} {'ms':>8} {'GB/s':>8} {'of ceiling':>10}")
     for r in rows:
         print(f"{r['blocks']:>7} {r['mib']:>8.0f} {r['ms']:>8.2f} {r['gbps']:>8.1f} {r['of_ceiling']:>10.0%}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(args=vars(args), ceiling_gbps=ceiling, rows=rows, date=time.strftime("%Y-%m-%d")), f, indent=1)
+            json.dump(dict(args=vars(args), ceiling_gbps=ceiling, rows=rows, ends=ends, date=time.strftime("%Y-%m-%d")), f, indent=1)
 
 
 if __name__ == "__main__":

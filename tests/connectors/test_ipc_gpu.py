@@ -1,13 +1,16 @@
-"""PD between GPU KV caches: prefill in a child process, decode in this one, in read and write
-mode, over ipc (GPU 0 -> GPU 1) and nixl (VRAM over UCX: both on GPU 0, and GPU 0 -> GPU 1 when
-there are two). Reference: a collocated engine's greedy output on the decode GPU (same kernels,
-same shapes, so the same tokens)."""
+"""PD between two engine processes' KV caches: prefill in a child process, decode in this one, in
+read and write mode, over ipc (GPU 0 -> GPU 1) and nixl (VRAM over UCX: both on GPU 0, and GPU 0 ->
+GPU 1 when there are two); the same harness between CPU caches over tcp and nixl (DRAM) runs
+without a GPU. The prefill gets the client's sampling parameters with max_tokens=1, as the router
+sends them: it samples the first token and hands it to decode. Reference: a collocated engine's
+greedy output on the decode device (same kernels, same shapes, so the same tokens)."""
 import importlib.util
 import multiprocessing as mp
 import queue
 import time
 import uuid
 
+import msgspec
 import pytest
 import torch
 
@@ -15,14 +18,16 @@ from tandem.engine import LLM, SamplingParams
 from tandem.engine.config import DEFAULT_MODEL_DIR
 from tandem.engine.protocol import EngineRequest
 
-pytestmark = pytest.mark.gpu
 PROMPTS = [f"Question: Sam has {n} marbles and finds {2 * n + 1} more. How many does he have?\nAnswer:"
            for n in range(8)]
 PARAMS = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 KV = lambda role, transport: dict(kv_connector="TandemConnector", kv_role=role,  # noqa: E731
                                   kv_connector_extra_config={"transport": transport, "transfer_timeout_s": 60,
                                                              "hold_timeout_s": 60})
-TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+# The prefill's request: the client's (greedy) parameters, one token, as router/orchestrator.py builds it.
+PREFILL_PARAMS = msgspec.structs.replace(PARAMS, max_tokens=1)
+GPU = pytest.mark.gpu
+TWO_GPUS = [GPU, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 NIXL = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="the nixl extra is not installed")
 
 
@@ -43,12 +48,17 @@ def _prefill_main(inbox, outbox, async_scheduling, transport, device) -> None:
     core.shutdown()
 
 
-@pytest.mark.parametrize("transport,src,dst", [
-    pytest.param("ipc", "cuda:0", "cuda:1", marks=TWO_GPUS),
-    pytest.param("nixl", "cuda:0", "cuda:0", marks=NIXL),
-    pytest.param("nixl", "cuda:0", "cuda:1", marks=[NIXL, TWO_GPUS])])
-@pytest.mark.parametrize("async_scheduling", [True, False])
-@pytest.mark.parametrize("mode", ["read", "write"])
+GPU_PAIRS = [("ipc", "cuda:0", "cuda:1", TWO_GPUS), ("nixl", "cuda:0", "cuda:0", [NIXL, GPU]),
+             ("nixl", "cuda:0", "cuda:1", [NIXL] + TWO_GPUS)]
+# CPU: the harness itself (kept from going stale where no GPU is), one case per mode and transport.
+CPU_CASES = [("read", False, "tcp", [pytest.mark.slow]), ("write", True, "tcp", [pytest.mark.slow]),
+             ("read", True, "nixl", [NIXL, pytest.mark.slow]), ("write", False, "nixl", [NIXL, pytest.mark.slow])]
+CASES = [pytest.param(mode, a, t, src, dst, marks=marks, id=f"{mode}-{a}-{t}-{src}-{dst}")
+         for t, src, dst, marks in GPU_PAIRS for mode in ("read", "write") for a in (True, False)] + [
+    pytest.param(mode, a, t, "cpu", "cpu", marks=marks, id=f"{mode}-{a}-{t}-cpu-cpu") for mode, a, t, marks in CPU_CASES]
+
+
+@pytest.mark.parametrize("mode,async_scheduling,transport,src,dst", CASES)
 def test_gpu_pd_matches_collocated(mode, async_scheduling, transport, src, dst):
     ref_llm = LLM(DEFAULT_MODEL_DIR, device=dst, dtype="float32", num_gpu_blocks_override=512)
     ids = [ref_llm.tokenizer.encode(p) for p in PROMPTS]
@@ -68,14 +78,13 @@ def test_gpu_pd_matches_collocated(mode, async_scheduling, transport, src, dst):
         d_host, d_port = decode.connector.address.rsplit(":", 1)
         for i, toks in enumerate(ids):
             if mode == "read":
-                inbox.put(EngineRequest(f"p{i}", toks, SamplingParams(max_tokens=1),
-                                        kv_transfer_params={"do_remote_decode": True}))
+                inbox.put(EngineRequest(f"p{i}", toks, PREFILL_PARAMS, kv_transfer_params={"do_remote_decode": True}))
             else:
                 tid = uuid.uuid4().hex
                 decode.add_request(EngineRequest(f"d{i}", toks, PARAMS, kv_transfer_params={
                     "do_remote_prefill": True, "mode": "write", "transfer_id": tid, "remote_host": p_host,
                     "remote_port": int(p_port)}))
-                inbox.put(EngineRequest(f"p{i}", toks, SamplingParams(max_tokens=1), kv_transfer_params={
+                inbox.put(EngineRequest(f"p{i}", toks, PREFILL_PARAMS, kv_transfer_params={
                     "do_remote_decode": True, "mode": "write", "transfer_id": tid, "remote_host": d_host,
                     "remote_port": int(d_port)}))
         outs: dict[str, list] = {}
