@@ -153,8 +153,6 @@ class TandemConnector:
             return
         t.peer_ranks, t.remote_blocks = list(msg.rank_addresses), list(msg.block_ids)
         self.table.start_moving(t, t.pairs, self.transfer_timeout_s)
-        if t.peer:  # a decode that dies while we push: stop at once
-            self.agent.submit(lambda: self.agent.watch(t.peer, self._peer_gone))
         if t.first_token is not None:  # sampled while the ids were on their way
             self._send_first_token(t)
 
@@ -267,6 +265,8 @@ class TandemConnector:
             if t is None:
                 t = self.table.add(Transfer(req.request_id, "prefill", p, S.WAITING_FOR_BLOCKS,
                                             self.table.clock() + self.transfer_timeout_s, peer=p.peer, request=req))
+                if t.peer:  # a decode that is or goes away: end at once, free the blocks (not after the timeout)
+                    self.agent.submit(lambda: self.agent.watch(t.peer, self._peer_gone))
                 early = self.inbox.pop(p.transfer_id, None)
                 if early is not None:
                     self._prefill_message(t, early)
