@@ -307,8 +307,8 @@ class TandemConnector:
         return meta if meta else None
 
     def poll(self) -> tuple[set[str], dict[str, str], set[str]]:
-        """(decode ids whose KV landed, {id: error} of transfers that failed for a waiting
-        request, ids whose blocks may be freed now)."""
+        """(decode ids whose KV landed, {id: error} of transfers that failed for a waiting or
+        running request, ids whose blocks may be freed now)."""
         landed, failed, releasable = set(), {}, set()
         with self.lock:
             for t in self.table.expire():

@@ -3,7 +3,8 @@
 It registers the rank's cache with the transport, answers the peer ranks (data handshake, block
 reads, block writes) and does the rank's share of what each step's KVStepMeta lists: reads of
 the rank pairs whose decode rank it is, pushes of the pairs whose prefill rank it is (layer by
-layer during the forward pass, or every layer at a step's start for blocks computed earlier). It never decides a transfer; it reports each finished pair (RankDone) to the scheduler side.
+layer during the forward pass, or every layer at a step's start for blocks computed earlier).
+It never decides a transfer; it reports each finished pair (RankDone) to the scheduler side.
 """
 import logging
 from typing import Callable
