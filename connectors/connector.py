@@ -29,7 +29,7 @@ from tandem.connectors.layout import KVLayout, plan_pairs
 from tandem.connectors.params import KVTransferParams
 from tandem.connectors.protocol import (AbortTransfer, DecodeBlocks, FinishOp, FirstToken, FreeBlocks, Hello,
                                         HelloReply, KVStepMeta, PeerGone, RankDone, ReadOp, TransferDone)
-from tandem.connectors.push_plan import plan_pushes
+from tandem.connectors.push_plan import cdiv, plan_pushes
 from tandem.connectors.stages import stamp
 from tandem.connectors.transfer import Transfer, TransferState as S, TransferTable
 from tandem.connectors.transport import peer_writes_memory
@@ -40,10 +40,10 @@ logger = logging.getLogger(__name__)
 
 PRODUCER, CONSUMER, BOTH = "kv_producer", "kv_consumer", "kv_both"
 _MAX_INBOX = 4096  # early messages kept for requests not seen yet; the oldest go first
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+# Write-mode prefills start before decode's block ids only while such requests hold at most this share
+# of the KV cache, else a prefill full of requests decode has not admitted and a decode full of requests
+# prefill cannot compute would wait on each other until the transfer timeout.
+_EARLY_SHARE = 0.5
 
 
 def _logprobs_list(req: Request) -> list | None:
@@ -53,11 +53,12 @@ def _logprobs_list(req: Request) -> list | None:
 
 
 class TandemConnector:
-    def __init__(self, config: KVTransferConfig, layout: KVLayout, transport: str = "tcp"):
+    def __init__(self, config: KVTransferConfig, layout: KVLayout, transport: str = "tcp", num_blocks: int = 0):
+        """num_blocks: the KV cache's blocks (0: a write-mode prefill never starts before the ids)."""
         if config.kv_role not in (PRODUCER, CONSUMER, BOTH):
             raise ValueError(f"kv_role must be one of {PRODUCER}, {CONSUMER}, {BOTH}; got {config.kv_role!r}")
         extra = config.kv_connector_extra_config
-        self.role, self.layout, self.transport = config.kv_role, layout, transport
+        self.role, self.layout, self.transport, self.num_blocks = config.kv_role, layout, transport, num_blocks
         self.block_size = layout.block_size
         self.transfer_timeout_s = float(extra.get("transfer_timeout_s", 30.0))
         self.hold_timeout_s = float(extra.get("hold_timeout_s", 60.0))
@@ -213,7 +214,7 @@ class TandemConnector:
         """Decode: req owns blocks for the remote tokens; shake hands, then read or announce."""
         p = req.kv_transfer_params
         first = (req.remote_computed_tokens - num_remote_tokens) // self.block_size
-        last = _cdiv(req.remote_computed_tokens, self.block_size)
+        last = cdiv(req.remote_computed_tokens, self.block_size)
         t = Transfer(req.request_id, "decode", p, S.HANDSHAKING, self.table.clock() + self.transfer_timeout_s,
                      peer=p.peer)
         if p.mode == "write":
@@ -255,8 +256,8 @@ class TandemConnector:
 
     def ready(self, req: Request) -> bool:
         """Prefill, write mode: register req's transfer; it may compute at once, whether decode's
-        block ids have come or not, unless the transfer already ended (decode aborted: poll ends
-        the request)."""
+        block ids have come or not (within _EARLY_SHARE of the cache), unless the transfer
+        already ended (decode aborted: poll ends the request)."""
         p = req.kv_transfer_params
         if p is None or not (p.do_remote_decode and p.mode == "write"):
             return True
@@ -270,7 +271,15 @@ class TandemConnector:
                 early = self.inbox.pop(p.transfer_id, None)
                 if early is not None:
                     self._prefill_message(t, early)
+            if t.state == S.WAITING_FOR_BLOCKS:
+                return self._room_before_ids(req)
             return not t.state.terminal or t.state == S.DONE
+
+    def _room_before_ids(self, req: Request) -> bool:
+        """May req start before decode's block ids came? (lock held; see _EARLY_SHARE)"""
+        held = sum(len(t.request.block_ids) for t in self.table.transfers.values()
+                   if t.state == S.WAITING_FOR_BLOCKS and t.request is not None)
+        return held + cdiv(req.num_prompt_tokens, self.block_size) <= _EARLY_SHARE * self.num_blocks
 
     def wait(self, timeout_s: float) -> None:
         """Engine thread, idle with transfers in flight: sleep up to timeout_s, less when news came

@@ -17,7 +17,7 @@ from tandem.connectors.transfer import Transfer
 logger = logging.getLogger(__name__)
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -30,10 +30,10 @@ def plan_pushes(t: Transfer, n: int, block_size: int) -> list[PushOp]:
         return []
     done = min(req.num_computed_tokens, end)  # in req's blocks once the steps before this one ran
     upto = min(req.num_computed_tokens + n, end)  # and once this one ran
-    chunk_lo = done // bs if upto > done else _cdiv(done, bs)
+    chunk_lo = done // bs if upto > done else cdiv(done, bs)
     ops = [_op(t, t.pushed_tokens // bs, chunk_lo, final=upto == done == end, layerwise=False)]
     if upto > done:
-        ops.append(_op(t, chunk_lo, _cdiv(upto, bs), final=upto == end, layerwise=True))
+        ops.append(_op(t, chunk_lo, cdiv(upto, bs), final=upto == end, layerwise=True))
     t.pushed_tokens = max(t.pushed_tokens, upto)
     ops = [op for op in ops if op.local_blocks or op.final]
     for op in ops:

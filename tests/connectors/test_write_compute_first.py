@@ -90,3 +90,33 @@ def test_decode_aborted_before_the_prefill_starts_stops_it(model_dir):
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_requests_waiting_for_ids_hold_at_most_half_the_cache(model_dir, expected):
+    """A prefill of 24 blocks computes the 40-token prompt (10 blocks) before any ids, but not the
+    33-token one too (9 more would pass half the cache): that one waits for its ids, so requests
+    whose ids came always find room. Both still match collocated once decode sends the ids."""
+    from tandem.engine import LLM
+
+    kv = {"kv_connector": "TandemConnector", "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"transfer_timeout_s": 15, "hold_timeout_s": 15}}
+    prefill = LLM(model_dir, block_size=4, max_num_batched_tokens=16, num_gpu_blocks_override=24, **kv).engine
+    decode = make(model_dir, "kv_consumer")
+    try:
+        tids = {i: uuid.uuid4().hex for i in (4, 3)}
+        for i in (4, 3):
+            prefill.add_request(EngineRequest(f"p{i}", PROMPTS[i], FIRST,
+                                              kv_transfer_params=_params(decode, tids[i], "prefill")))
+        outs = run_all(prefill, until=lambda o: finished(o, "p4"))
+        for _ in range(5):
+            _step(prefill, 1, outs)
+        assert prefill.connector.table.get("p3").request.num_computed_tokens == 0  # waits for its ids
+        for i in (4, 3):
+            decode.add_request(EngineRequest(f"d{i}", PROMPTS[i], PARAMS,
+                                             kv_transfer_params=_params(prefill, tids[i], "decode")))
+        outs.update(run_all(prefill, decode, until=lambda o: finished(o, "d4") and finished(o, "d3")))
+        assert [tokens(outs, "d4"), tokens(outs, "d3")] == [expected[4], expected[3]]
+        settle(prefill, decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
