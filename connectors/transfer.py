@@ -12,9 +12,10 @@ A transfer with `drain_s` (decode, write mode, a transport whose peer writes our
 ends early with ranks still pending waits up to drain_s more for them: a late push into freed
 blocks would land in another request's KV.
 A write-mode prefill computes its prompt from the start, whether decode's block ids have come or
-not (WAITING_FOR_BLOCKS does not hold the request back): `pushed_tokens` is how far its prompt KV
-has been pushed; once the ids are in, the connector pushes what is computed but not yet pushed
-(from the request's own blocks, held until the transfer settles), then each chunk as it is computed.
+not (WAITING_FOR_BLOCKS does not hold the request back, within a share of the KV cache, see
+connector.py): `pushed_tokens` is how far its prompt KV has been pushed; once the ids are in, the
+connector pushes what is computed but not yet pushed (from the request's own blocks, held until
+the transfer settles), then each chunk as it is computed (push_plan.py).
 """
 import enum
 import time
