@@ -37,7 +37,7 @@ def build_connector(config: EngineConfig, runner, hf_config, group=None):
         if not extra.get("engine_id"):
             extra = {**extra, "engine_id": uuid.uuid4().hex[:12]}
             kv = type(kv)(kv.kv_connector, kv.kv_role, extra)
-        scheduler_side = TandemConnector(kv, layout, transport)
+        scheduler_side = TandemConnector(kv, layout, transport, num_blocks=runner.num_blocks)
     worker = KVConnectorWorker(extra.get("engine_id", "?"), rank, cache, layout, transport,
                                extra.get("kv_host", "127.0.0.1"), float(extra.get("transfer_timeout_s", 30.0)),
                                data_port(extra, rank))

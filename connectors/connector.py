@@ -13,9 +13,12 @@ shakes hands with prefill (rank -> KV-head maps), its ranks read the heads they 
 prefill ranks holding them, and decode tells prefill to free. Prefill frees at once when the
 decode that was to read is gone (its connection fails, or the router dropped it and says so:
 PeerGone), else after hold_timeout_s.
-Write mode (prefill pushes): decode shakes hands and sends its block ids and layout; prefill
-starts the prompt once it has them, and its ranks push each layer's heads to the decode ranks
-right after computing it; each rank pair reports when its data has landed.
+Write mode (prefill pushes): decode shakes hands and sends its block ids and layout. Prefill
+computes the prompt as soon as it arrives, ids or not: once the ids are in, its ranks push what
+is already computed (every layer, from the request's own blocks, which stay held until the
+transfer settles) and then each later chunk layer by layer right after computing it; each rank
+pair reports when its data has landed. The first output token goes to decode once the request
+has sampled it and decode's ids have come (decode knows the transfer by then).
 """
 import logging
 import threading
@@ -25,7 +28,8 @@ from tandem.connectors.agent import KVAgent, TransferError
 from tandem.connectors.layout import KVLayout, plan_pairs
 from tandem.connectors.params import KVTransferParams
 from tandem.connectors.protocol import (AbortTransfer, DecodeBlocks, FinishOp, FirstToken, FreeBlocks, Hello,
-                                        HelloReply, KVStepMeta, PeerGone, PushOp, RankDone, ReadOp, TransferDone)
+                                        HelloReply, KVStepMeta, PeerGone, RankDone, ReadOp, TransferDone)
+from tandem.connectors.push_plan import cdiv, plan_pushes
 from tandem.connectors.stages import stamp
 from tandem.connectors.transfer import Transfer, TransferState as S, TransferTable
 from tandem.connectors.transport import peer_writes_memory
@@ -35,10 +39,11 @@ from tandem.engine.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 PRODUCER, CONSUMER, BOTH = "kv_producer", "kv_consumer", "kv_both"
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+_MAX_INBOX = 4096  # early messages kept for requests not seen yet; the oldest go first
+# Write-mode prefills start before decode's block ids only while such requests hold at most this share
+# of the KV cache, else a prefill full of requests decode has not admitted and a decode full of requests
+# prefill cannot compute would wait on each other until the transfer timeout.
+_EARLY_SHARE = 0.5
 
 
 def _logprobs_list(req: Request) -> list | None:
@@ -48,11 +53,12 @@ def _logprobs_list(req: Request) -> list | None:
 
 
 class TandemConnector:
-    def __init__(self, config: KVTransferConfig, layout: KVLayout, transport: str = "tcp"):
+    def __init__(self, config: KVTransferConfig, layout: KVLayout, transport: str = "tcp", num_blocks: int = 0):
+        """num_blocks: the KV cache's blocks (0: a write-mode prefill never starts before the ids)."""
         if config.kv_role not in (PRODUCER, CONSUMER, BOTH):
             raise ValueError(f"kv_role must be one of {PRODUCER}, {CONSUMER}, {BOTH}; got {config.kv_role!r}")
         extra = config.kv_connector_extra_config
-        self.role, self.layout, self.transport = config.kv_role, layout, transport
+        self.role, self.layout, self.transport, self.num_blocks = config.kv_role, layout, transport, num_blocks
         self.block_size = layout.block_size
         self.transfer_timeout_s = float(extra.get("transfer_timeout_s", 30.0))
         self.hold_timeout_s = float(extra.get("hold_timeout_s", 60.0))
@@ -115,6 +121,8 @@ class TandemConnector:
                 t = self.table.find(transfer_id=msg.transfer_id)
                 if t is None:
                     self.inbox[msg.transfer_id] = msg
+                    if len(self.inbox) > _MAX_INBOX:  # ids for a transfer that ended (timed out) here
+                        del self.inbox[next(iter(self.inbox))]
                 else:
                     self._prefill_message(t, msg)
             elif isinstance(msg, FirstToken):
@@ -129,7 +137,8 @@ class TandemConnector:
         return None
 
     def _prefill_message(self, t: Transfer, msg) -> None:
-        """Prefill, write mode: decode's block ids (or its abort) for transfer t (lock held)."""
+        """Prefill, write mode: decode's block ids (or its abort) for transfer t (lock held). The
+        next step's KVStepMeta pushes what the request has computed so far (build_meta)."""
         if isinstance(msg, AbortTransfer):
             self._end_push(t, S.ABORTED, "the decode request was aborted")
             return
@@ -145,8 +154,14 @@ class TandemConnector:
             return
         t.peer_ranks, t.remote_blocks = list(msg.rank_addresses), list(msg.block_ids)
         self.table.start_moving(t, t.pairs, self.transfer_timeout_s)
-        if t.peer:  # a decode that dies while we push: stop at once
-            self.agent.submit(lambda: self.agent.watch(t.peer, self._peer_gone))
+        if t.first_token is not None:  # sampled while the ids were on their way
+            self._send_first_token(t)
+
+    def _send_first_token(self, t: Transfer) -> None:
+        """Prefill, write: tell decode the first output token (lock held; decode knows t)."""
+        peer, first = t.peer, FirstToken(t.transfer_id, *t.first_token)
+        stamp(logger, "prefill", "conn.first_token_sent", t.request_id)
+        self.agent.submit(lambda: self._send_quietly(peer, first))
 
     def _end_push(self, t: Transfer, state: S, error: str) -> None:
         """Prefill, write: stop t. Pushes may have started: the ranks end them and tell decode."""
@@ -199,7 +214,7 @@ class TandemConnector:
         """Decode: req owns blocks for the remote tokens; shake hands, then read or announce."""
         p = req.kv_transfer_params
         first = (req.remote_computed_tokens - num_remote_tokens) // self.block_size
-        last = _cdiv(req.remote_computed_tokens, self.block_size)
+        last = cdiv(req.remote_computed_tokens, self.block_size)
         t = Transfer(req.request_id, "decode", p, S.HANDSHAKING, self.table.clock() + self.transfer_timeout_s,
                      peer=p.peer)
         if p.mode == "write":
@@ -240,7 +255,9 @@ class TandemConnector:
         self.news.set()  # read: the next step starts the ranks' reads
 
     def ready(self, req: Request) -> bool:
-        """Prefill, write mode: start only once decode has said where the KV goes."""
+        """Prefill, write mode: register req's transfer; it may compute at once, whether decode's
+        block ids have come or not (within _EARLY_SHARE of the cache), unless the transfer
+        already ended (decode aborted: poll ends the request)."""
         p = req.kv_transfer_params
         if p is None or not (p.do_remote_decode and p.mode == "write"):
             return True
@@ -248,11 +265,21 @@ class TandemConnector:
             t = self.table.get(req.request_id)
             if t is None:
                 t = self.table.add(Transfer(req.request_id, "prefill", p, S.WAITING_FOR_BLOCKS,
-                                            self.table.clock() + self.transfer_timeout_s, peer=p.peer))
+                                            self.table.clock() + self.transfer_timeout_s, peer=p.peer, request=req))
+                if t.peer:  # a decode that is or goes away: end at once, free the blocks (not after the timeout)
+                    self.agent.submit(lambda: self.agent.watch(t.peer, self._peer_gone))
                 early = self.inbox.pop(p.transfer_id, None)
                 if early is not None:
                     self._prefill_message(t, early)
-            return t.state in (S.TRANSFERRING, S.DONE)
+            if t.state == S.WAITING_FOR_BLOCKS:
+                return self._room_before_ids(req)
+            return not t.state.terminal or t.state == S.DONE
+
+    def _room_before_ids(self, req: Request) -> bool:
+        """May req start before decode's block ids came? (lock held; see _EARLY_SHARE)"""
+        held = sum(len(t.request.block_ids) for t in self.table.transfers.values()
+                   if t.state == S.WAITING_FOR_BLOCKS and t.request is not None)
+        return held + cdiv(req.num_prompt_tokens, self.block_size) <= _EARLY_SHARE * self.num_blocks
 
     def wait(self, timeout_s: float) -> None:
         """Engine thread, idle with transfers in flight: sleep up to timeout_s, less when news came
@@ -280,33 +307,26 @@ class TandemConnector:
                     stamp(logger, "decode", "conn.read_start", t.request_id)
                     meta.reads.append(ReadOp(t.request_id, t.params.remote_request_id, t.remote_blocks,
                                              t.local_blocks, t.pairs, t.peer_ranks))
-            for req, n in scheduled:
-                t = self.table.get(req.request_id)
-                if t is not None and t.side == "prefill" and t.state == S.TRANSFERRING:
-                    meta.pushes.append(self._push_op(t, req, n))
+            chunks = {req.request_id: n for req, n in scheduled}
+            for t in self.table.transfers.values():
+                if t.side == "prefill" and t.state == S.TRANSFERRING and t.request is not None:
+                    meta.pushes += plan_pushes(t, chunks.get(t.request_id, 0), self.block_size)
             meta.finishes, self.finishes = self.finishes, []
             meta.closed, self.closed = self.closed, []
         return meta if meta else None
 
-    def _push_op(self, t: Transfer, req: Request, n: int) -> PushOp:
-        """This chunk's blocks (the first chunk also pushes blocks filled from the prefix cache)."""
-        end = min(req.num_computed_tokens + n, len(t.remote_blocks) * self.block_size, req.num_prompt_tokens)
-        lo = 0 if t.pushed_chunks == 0 else req.num_computed_tokens // self.block_size
-        t.pushed_chunks += 1
-        idx = [i for i in range(lo, _cdiv(end, self.block_size)) if t.remote_blocks[i] >= 0]
-        final = req.num_computed_tokens + n >= req.num_prompt_tokens
-        return PushOp(t.request_id, t.transfer_id, [req.block_ids[i] for i in idx],
-                      [t.remote_blocks[i] for i in idx], t.pairs, t.peer_ranks, final)
-
     def poll(self) -> tuple[set[str], dict[str, str], set[str]]:
-        """(decode ids whose KV landed, {id: error} of transfers that failed for a waiting
-        request, ids whose blocks may be freed now)."""
+        """(decode ids whose KV landed, {id: error} of transfers that failed for a waiting or
+        running request, ids whose blocks may be freed now)."""
         landed, failed, releasable = set(), {}, set()
         with self.lock:
             for t in self.table.expire():
                 logger.warning("KV transfer of %s: %s", t.request_id, t.error)
                 if t.side == "decode" and t.mode == "write" and t.peer and t.pending:
                     peer, msg = t.peer, AbortTransfer(t.transfer_id)  # prefill's ranks end their pushes
+                    self.agent.submit(lambda peer=peer, msg=msg: self._send_quietly(peer, msg))
+                elif t.side == "prefill" and t.mode == "write" and t.peer and not t.remote_blocks:
+                    peer, msg = t.peer, TransferDone(t.transfer_id, t.error)  # nothing was pushed
                     self.agent.submit(lambda peer=peer, msg=msg: self._send_quietly(peer, msg))
             for t in list(self.table.transfers.values()):
                 self._after_end(t)
@@ -357,9 +377,9 @@ class TandemConnector:
             elif t.side == "prefill" and not ok:
                 self._end_push(t, S.ABORTED, req.error or "the prefill request was aborted")
             elif t.side == "prefill" and t.peer and req.num_output_tokens:
-                peer, first = t.peer, FirstToken(t.transfer_id, req.output_token_ids[0], _logprobs_list(req))
-                stamp(logger, "prefill", "conn.first_token_sent", req.request_id)
-                self.agent.submit(lambda: self._send_quietly(peer, first))
+                t.first_token = (req.output_token_ids[0], _logprobs_list(req))
+                if t.state != S.WAITING_FOR_BLOCKS:  # else once decode's ids come (_prefill_message)
+                    self._send_first_token(t)
             t.request_done = True
             hold = not t.settled
             if not hold:

@@ -146,8 +146,10 @@ class ReadOp:
 
 @dataclass
 class PushOp:
-    """Prefill, write mode: push each layer of this step's chunk as soon as it is stored;
-    final: the chunk ends the prompt, so the pairs report once it has landed."""
+    """Prefill, write mode: push these blocks' KV. layerwise: blocks of this step's chunk, each
+    layer right after the forward pass stored it; else blocks computed by earlier steps (before
+    decode's block ids came), every layer at once when the step starts. final: this push ends
+    the prompt, so the pairs report once it has landed."""
 
     request_id: str
     transfer_id: str
@@ -156,6 +158,7 @@ class PushOp:
     pairs: list[RankPair]
     peer_ranks: list[str]
     final: bool
+    layerwise: bool = True
 
 
 @dataclass

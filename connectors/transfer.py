@@ -2,7 +2,7 @@
 
     decode, read:   HANDSHAKING -> READY -> TRANSFERRING -> DONE
     decode, write:  HANDSHAKING -> READY -> TRANSFERRING -> DONE   (READY: blocks announced)
-    prefill, write: WAITING_FOR_BLOCKS -> TRANSFERRING -> DONE
+    prefill, write: WAITING_FOR_BLOCKS -> TRANSFERRING -> DONE     (computing all along: see below)
     prefill, read:  HELD -> DONE                                   (decode read and said so)
 
 Every live state may also end FAILED, TIMED_OUT (its deadline passed) or ABORTED. Besides its
@@ -11,19 +11,28 @@ once it is terminal and no rank still touches them (`settled`), or once its dead
 A transfer with `drain_s` (decode, write mode, a transport whose peer writes our memory) that
 ends early with ranks still pending waits up to drain_s more for them: a late push into freed
 blocks would land in another request's KV.
+A write-mode prefill computes its prompt from the start, whether decode's block ids have come or
+not (WAITING_FOR_BLOCKS does not hold the request back, within a share of the KV cache, see
+connector.py): `pushed_tokens` is how far its prompt KV has been pushed; once the ids are in, the
+connector pushes what is computed but not yet pushed (from the request's own blocks, held until
+the transfer settles), then each chunk as it is computed (push_plan.py).
 """
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tandem.connectors.layout import RankPair
 from tandem.connectors.params import KVTransferParams
+
+if TYPE_CHECKING:
+    from tandem.engine.request import Request
 
 
 class TransferState(enum.Enum):
     HANDSHAKING = "handshaking"  # decode: exchanging layouts with the prefill instance
     READY = "ready"  # decode: layouts mapped; read: the next step starts the ranks' reads
-    WAITING_FOR_BLOCKS = "waiting_for_blocks"  # prefill, write: decode has not said where to write
+    WAITING_FOR_BLOCKS = "waiting_for_blocks"  # prefill, write: decode has not said where to write (yet computing)
     TRANSFERRING = "transferring"  # ranks move data
     HELD = "held"  # prefill, read: blocks kept until decode has read them
     DONE = "done"
@@ -80,9 +89,12 @@ class Transfer:
     peer_ranks: list[str] = field(default_factory=list)  # the peer's rank (data agent) addresses
     local_blocks: list[int] = field(default_factory=list)
     remote_blocks: list[int] = field(default_factory=list)
-    pushed_chunks: int = 0  # prefill, write: chunks already pushed
+    request: "Request | None" = None  # prefill, write: the local request (its blocks and computed tokens)
+    pushed_tokens: int = 0  # prefill, write: prompt tokens whose KV pushes have been issued
     told_peer: bool = False  # decode, read: the prefill was told to free its blocks
-    first_token: tuple[int, list | None] | None = None  # decode: the prefill's first output token (and logprobs)
+    # the first output token (and logprobs): decode: arrived from the prefill; prefill, write:
+    # sampled before decode's block ids came, sent once they do (decode knows the transfer then)
+    first_token: tuple[int, list | None] | None = None
     drain_s: float = 0.0  # ended early with ranks pending: wait this much longer for them (see module doc)
 
     @property

@@ -2,8 +2,9 @@
 
 It registers the rank's cache with the transport, answers the peer ranks (data handshake, block
 reads, block writes) and does the rank's share of what each step's KVStepMeta lists: reads of
-the rank pairs whose decode rank it is, layer-wise pushes of the pairs whose prefill rank it
-is. It never decides a transfer; it reports each finished pair (RankDone) to the scheduler side.
+the rank pairs whose decode rank it is, pushes of the pairs whose prefill rank it is (layer by
+layer during the forward pass, or every layer at a step's start for blocks computed earlier).
+It never decides a transfer; it reports each finished pair (RankDone) to the scheduler side.
 """
 import logging
 from typing import Callable
@@ -12,8 +13,8 @@ import torch
 
 from tandem.connectors.agent import KVAgent, TransferError
 from tandem.connectors.layout import KVLayout, RankPair
-from tandem.connectors.protocol import (BlocksData, Hello, HelloReply, KVStepMeta, ReadBlocks, ReadOp, RankDone,
-                                        WriteBlocks, WriteDone)
+from tandem.connectors.protocol import (BlocksData, Hello, HelloReply, KVStepMeta, PushOp, ReadBlocks, ReadOp,
+                                        RankDone, WriteBlocks, WriteDone)
 from tandem.connectors.staging import gather_blocks, scatter_blocks
 from tandem.connectors.transport import make_transport
 
@@ -64,8 +65,8 @@ class KVConnectorWorker:
     # ---- this step's work ---------------------------------------------------------------------
 
     def start(self, meta: KVStepMeta) -> None:
-        """Before the step's forward pass (or alone, when nothing runs): start this rank's reads
-        and finishes, drop closed transfers."""
+        """Before the step's forward pass (or alone, when nothing runs): start this rank's reads,
+        pushes of blocks computed by earlier steps, and finishes; drop closed transfers."""
         self.notify = meta.notify
         for tid in meta.closed:
             self.closed[tid] = None
@@ -75,6 +76,10 @@ class KVConnectorWorker:
             for pair in op.pairs:
                 if pair.dst_rank == self.rank:
                     self.agent.submit(lambda op=op, pair=pair: self._read(op, pair))
+        for op in meta.pushes:
+            if not op.layerwise:  # their KV is in the cache already (in stream order): every layer now
+                for layer in range(self.kv_cache.shape[1]):
+                    self._push_layer(op, layer)
         for op in meta.finishes:
             for pair in op.pairs:
                 if pair.src_rank == self.rank:
@@ -84,23 +89,31 @@ class KVConnectorWorker:
 
     def layer_hook(self, meta: KVStepMeta | None) -> Callable[[int], None] | None:
         """The model's per-layer callback for this step's pushes from this rank (None: none)."""
-        mine = [(op, pair) for op in (meta.pushes if meta else []) for pair in op.pairs if pair.src_rank == self.rank]
+        mine = [op for op in (meta.pushes if meta else []) if op.layerwise
+                and any(pair.src_rank == self.rank for pair in op.pairs)]
         if not mine:
             return None
-        last = self.kv_cache.shape[1] - 1
 
         def on_layer_stored(layer: int) -> None:
-            for op, pair in mine:
-                peer = op.peer_ranks[pair.dst_rank]
-                if op.local_blocks:
-                    staged = self.transport.stage_layer(layer, op.local_blocks, pair)
-                    self.agent.submit(lambda op=op, pair=pair, peer=peer, staged=staged:
-                                      self._push(peer, op, pair, layer, staged))
-                if op.final and layer == last:
-                    self.agent.submit(lambda op=op, pair=pair, peer=peer:
-                                      self._end_push(peer, op.request_id, op.transfer_id, pair, None))
+            for op in mine:
+                self._push_layer(op, layer)
 
         return on_layer_stored
+
+    def _push_layer(self, op: PushOp, layer: int) -> None:
+        """Engine thread: capture `layer` of op's blocks (this rank's pairs) and queue its pushes;
+        after the last layer of a final op, queue the pairs' completion reports."""
+        for pair in op.pairs:
+            if pair.src_rank != self.rank:
+                continue
+            peer = op.peer_ranks[pair.dst_rank]
+            if op.local_blocks:
+                staged = self.transport.stage_layer(layer, op.local_blocks, pair)
+                self.agent.submit(lambda pair=pair, peer=peer, staged=staged:
+                                  self._push(peer, op, pair, layer, staged))
+            if op.final and layer == self.kv_cache.shape[1] - 1:
+                self.agent.submit(lambda pair=pair, peer=peer:
+                                  self._end_push(peer, op.request_id, op.transfer_id, pair, None))
 
     # ---- client thread ----------------------------------------------------------------------
 

@@ -39,10 +39,11 @@ class SchedulerConnector(Protocol):
         """req now owns blocks for those tokens; start (or announce) the transfer."""
 
     def ready(self, req: Request) -> bool:
-        """May req start computing now? (A write-mode prefill waits for decode's block ids.)"""
+        """May req start computing now? (False: its transfer already ended; poll says why.)"""
 
     def poll(self) -> tuple[set[str], dict[str, str], set[str]]:
-        """(ids whose remote KV landed, {id: error} for failed receives, ids whose sends finished)."""
+        """(ids whose remote KV landed, {id: error} for failed transfers of requests that wait or
+        run, ids whose sends finished)."""
 
     def take_first_tokens(self) -> dict[str, tuple[int, list | None]]:
         """{id: (first output token, its logprobs as [token_ids, logprobs, rank] or None)} that
@@ -173,17 +174,20 @@ class Scheduler:
             if req is not None:
                 self.blocks.free_blocks(req.block_ids)
                 req.block_ids = []
+        for rid, error in failed.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and self.connector.recompute_on_failure:
+                logger.warning("%s: %s; computing the prompt locally", rid, error)
+                self.blocks.free_blocks(req.block_ids)
+                req.block_ids, req.num_computed_tokens = [], 0
+                req.kv_transfer_params = None
+                req.status = RequestStatus.WAITING
+            else:  # (a write-mode prefill may be running: it computes while its transfer waits)
+                self.fail_request(req, error)
         for req in list(self.waiting):
-            if req.request_id in failed:
-                if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and self.connector.recompute_on_failure:
-                    logger.warning("%s: %s; computing the prompt locally", req.request_id, failed[req.request_id])
-                    self.blocks.free_blocks(req.block_ids)
-                    req.block_ids, req.num_computed_tokens = [], 0
-                    req.kv_transfer_params = None
-                    req.status = RequestStatus.WAITING
-                else:
-                    self.fail_request(req, failed[req.request_id])
-            elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req.request_id in landed:
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req.request_id in landed:
                 stamp(logger, "decode", "core.kv_landed", req.request_id)
                 req.num_computed_tokens = req.remote_computed_tokens
                 self.blocks.cache_full_blocks(req)

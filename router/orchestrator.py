@@ -290,9 +290,9 @@ class PDOrchestrator:
                                                                transfer_id=transfer_id, **peer_kv_address(prefill))}
         prefill_body = prefill_request_body(body, path, kv_params(do_remote_decode=True, mode="write",
                                                                   transfer_id=transfer_id, **peer_kv_address(decode)))
-        # decode first: prefill cannot start before decode has said where its KV goes
-        decode_task = asyncio.create_task(self.upstream.open_stream(decode, path, decode_body, headers))
+        # prefill first: it computes at once (the TTFT path); decode's block ids reach it meanwhile
         prefill_task = asyncio.create_task(self._prefill(prefill, path, prefill_body, headers))
+        decode_task = asyncio.create_task(self.upstream.open_stream(decode, path, decode_body, headers))
         try:
             await self._both_or_first_failure(prefill_task, decode_task)
         except BaseException:

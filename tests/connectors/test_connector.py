@@ -173,15 +173,62 @@ def test_prefill_frees_blocks_when_decode_never_reads(model_dir):
         prefill.shutdown()
 
 
-def test_write_mode_prefill_fails_when_decode_never_sends_blocks(model_dir):
-    prefill = make(model_dir, "kv_producer", transfer_timeout_s=0.5)
+@pytest.fixture
+def silent_decode():
+    """The KV port of a decode that is alive (it accepts connections) but never answers: its port."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    yield port
+    sock.close(0)
+    ctx.term()
+
+
+def test_write_mode_prefill_frees_blocks_when_decode_never_sends_blocks(model_dir, expected, silent_decode):
+    """The prefill computes without decode's block ids; its blocks wait for them until the
+    transfer timeout, then are freed."""
+    prefill = make(model_dir, "kv_producer", transfer_timeout_s=3)
     try:
         prefill.add_request(EngineRequest("p", PROMPTS[2], SamplingParams(max_tokens=1, temperature=0), kv_transfer_params={
             "do_remote_decode": True, "mode": "write", "transfer_id": "t", "remote_host": "127.0.0.1",
-            "remote_port": 9}))
+            "remote_port": silent_decode}))
+        outs = run_all(prefill, until=lambda o: finished(o, "p"))
+        assert outs["p"][-1].finish_reason == "length" and tokens(outs, "p") == expected[2][:1]
+        assert prefill.blocks.num_free_blocks < prefill.blocks.num_blocks  # held for the ids
+        settle(prefill, within_s=10)
+    finally:
+        prefill.shutdown()
+
+
+def test_write_mode_prefill_fails_when_the_ids_time_out_mid_prompt(model_dir, silent_decode):
+    """A prompt of several chunks still computing when the wait for decode's block ids times out
+    stops there with an error."""
+    prefill = make(model_dir, "kv_producer", transfer_timeout_s=0.001)
+    try:
+        prefill.add_request(EngineRequest("p", PROMPTS[4], SamplingParams(max_tokens=1, temperature=0), kv_transfer_params={
+            "do_remote_decode": True, "mode": "write", "transfer_id": "t", "remote_host": "127.0.0.1",
+            "remote_port": silent_decode}))
         out = run_all(prefill, until=lambda o: finished(o, "p"))["p"][-1]
         assert out.finish_reason == "error" and "did not send its KV block ids" in out.error
         settle(prefill)
+    finally:
+        prefill.shutdown()
+
+
+def test_write_mode_prefill_frees_at_once_when_the_decode_is_gone(model_dir):
+    """Write mode: nothing listens at the decode's KV port: the prefill (which computes meanwhile)
+    frees its blocks within a couple of seconds, not after transfer_timeout_s (60 s here)."""
+    from tests.ports import free_port
+
+    prefill = make(model_dir, "kv_producer", transfer_timeout_s=60)
+    try:
+        prefill.add_request(EngineRequest("p", PROMPTS[4], SamplingParams(max_tokens=1, temperature=0), kv_transfer_params={
+            "do_remote_decode": True, "mode": "write", "transfer_id": "t", "remote_host": "127.0.0.1",
+            "remote_port": free_port()}))
+        run_all(prefill, until=lambda o: finished(o, "p"))
+        settle(prefill, within_s=2.0)
     finally:
         prefill.shutdown()
 
