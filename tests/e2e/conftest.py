@@ -3,7 +3,9 @@ the nixl extra is installed): a router, prefill and decode instances as real
 `python -m tandem.server` processes on free loopback ports."""
 import importlib.util
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -13,6 +15,7 @@ from tests.server.tiny_model import build_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DATA = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+T = TypeVar("T")
 ENGINE_ARGS = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "96",
                "--block-size", "8", "--max-num-seqs", "16", "--max-num-batched-tokens", "64"]
 # The KV transports a CPU deployment can use; every PD test runs over each.
@@ -29,6 +32,17 @@ def model_dir(tmp_path_factory) -> Path:
 def Proc(name: str, args: list[str], log_dir: Path) -> ServerProcess:
     """One part of a deployment (`python -m tandem.server --role ...`), logging to log_dir/name.log."""
     return ServerProcess(log_dir / f"{name}.log", args)
+
+
+def collocated_answers(model, log_dir: Path, ask: Callable[[str], T]) -> T:
+    """The reference: a collocated server on `model` with ENGINE_ARGS, healthy, answers ask(url);
+    stopped after."""
+    ref = Proc("collocated", ["--model", str(model), "--served-model-name", "default", *ENGINE_ARGS],
+               log_dir).wait_healthy()
+    try:
+        return ask(ref.url)
+    finally:
+        ref.stop()
 
 
 def metric(url: str, name: str) -> float:

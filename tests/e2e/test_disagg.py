@@ -9,7 +9,8 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import ENGINE_ARGS, KV_CONFIG, TRANSPORTS, Proc, metric, wait_all_blocks_free
+from tests.e2e.conftest import (ENGINE_ARGS, KV_CONFIG, TRANSPORTS, Proc, collocated_answers, metric,
+                                wait_all_blocks_free)
 from tests.ports import free_port
 
 PROMPTS = [f"Question: Tom has {n} apples and buys {n + 3} more. How many now?\nAnswer:" for n in range(12)]
@@ -65,13 +66,10 @@ def generate_exact(base_url: str) -> list[tuple]:
 
 @pytest.fixture(scope="module")
 def expected(model_dir, tmp_path_factory):
-    p = Proc("collocated", ["--model", str(model_dir), "--served-model-name", "default", *ENGINE_ARGS],
-             tmp_path_factory.mktemp("colloc")).wait_healthy()
-    try:
-        exact = generate_exact(p.url)  # first: prefix-cache hits later come from these same runs
-        return generate(p.url, PROMPTS), exact
-    finally:
-        p.stop()
+    def ask(url: str):
+        exact = generate_exact(url)  # first: prefix-cache hits later come from these same runs
+        return generate(url, PROMPTS), exact
+    return collocated_answers(model_dir, tmp_path_factory.mktemp("colloc"), ask)
 
 
 def start_deployment(model_dir, log_dir, mode: str, num_prefill: int = 1, num_decode: int = 1,

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from tests.e2e.conftest import ENGINE_ARGS, KV_CONFIG, Proc, wait_all_blocks_free
+from tests.e2e.conftest import ENGINE_ARGS, KV_CONFIG, Proc, collocated_answers, wait_all_blocks_free
 from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
@@ -65,12 +65,7 @@ def answers(url: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def expected(model_dir, tmp_path_factory):
-    p = Proc("collocated", ["--model", str(model_dir), "--served-model-name", "default", *ENGINE_ARGS],
-             tmp_path_factory.mktemp("colloc")).wait_healthy()
-    try:
-        return answers(p.url)
-    finally:
-        p.stop()
+    return collocated_answers(model_dir, tmp_path_factory.mktemp("colloc"), answers)
 
 
 @pytest.mark.parametrize("mode", ["read", "write"])

@@ -11,7 +11,7 @@ import openai
 import psutil
 import pytest
 
-from tests.e2e.conftest import ENGINE_ARGS, Proc, wait_all_blocks_free
+from tests.e2e.conftest import ENGINE_ARGS, Proc, collocated_answers, wait_all_blocks_free
 from tests.ports import free_port_range
 
 pytestmark = pytest.mark.slow
@@ -46,12 +46,7 @@ def listeners(root_pid: int) -> dict[psutil.Process, list]:
 
 
 def test_tp2_tree_listens_only_on_its_printed_ports(model_dir, tmp_path_factory):
-    ref = Proc("collocated", ["--model", str(model_dir), "--served-model-name", "default", *ENGINE_ARGS],
-               tmp_path_factory.mktemp("colloc")).wait_healthy()
-    try:
-        expected = complete(ref.url)
-    finally:
-        ref.stop()
+    expected = collocated_answers(model_dir, tmp_path_factory.mktemp("colloc"), complete)
     base = free_port_range(NUM_PORTS)
     tree = Proc("disagg", ["--role", "disagg", "--model", str(model_dir), "--served-model-name", "default",
                            *ENGINE_ARGS, "--tensor-parallel-size", str(TP), "--base-port", str(base)],

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tandem.engine.config import DEFAULT_MODEL_DIR
-from tests.e2e.conftest import ENGINE_ARGS, Proc, wait_all_blocks_free
+from tests.e2e.conftest import collocated_answers, wait_all_blocks_free
 from tests.e2e.test_disagg import start_deployment
 
 pytestmark = pytest.mark.slow
@@ -47,12 +47,7 @@ def generate(base_url: str) -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def expected(tmp_path_factory):
-    p = Proc("collocated", ["--model", DEFAULT_MODEL_DIR, "--served-model-name", "default", *ENGINE_ARGS],
-             tmp_path_factory.mktemp("colloc-structured")).wait_healthy()
-    try:
-        return generate(p.url)
-    finally:
-        p.stop()
+    return collocated_answers(DEFAULT_MODEL_DIR, tmp_path_factory.mktemp("colloc-structured"), generate)
 
 
 @pytest.mark.parametrize("mode", ["read", "write"])

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import ENGINE_ARGS, Proc, wait_all_blocks_free
+from tests.e2e.conftest import ENGINE_ARGS, Proc, collocated_answers, wait_all_blocks_free
 from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
@@ -40,12 +40,7 @@ def model(request, model_dir, tmp_path_factory):
         path, tp_flags = model_dir, []
     else:
         path, tp_flags = _moe_model(model_dir, tmp_path_factory.mktemp("moe")), ["--enable-expert-parallel"]
-    ref = Proc("collocated", ["--model", str(path), "--served-model-name", "default", *ENGINE_ARGS],
-               tmp_path_factory.mktemp("colloc")).wait_healthy()
-    try:
-        return path, tp_flags, generate(ref.url)
-    finally:
-        ref.stop()
+    return path, tp_flags, collocated_answers(path, tmp_path_factory.mktemp("colloc"), generate)
 
 
 def _moe_model(model_dir, out):

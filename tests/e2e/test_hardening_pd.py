@@ -3,7 +3,6 @@ hostile and heavy load on CPU. References: the server's own OpenAPI schema (sche
 rule that client input never gets a 5xx, and the engines' KV block counts (all free at rest)."""
 import asyncio
 import json
-import os
 import random
 import signal
 import time
