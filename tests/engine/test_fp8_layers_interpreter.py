@@ -9,13 +9,11 @@ e4m3 cast misrounds: tests/kernels/test_fp8.py). On a GPU, tests/engine/test_fp8
 the real path through the engine, and test_fp8_layers_pending_norm_gpu these layers.
 """
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.interpreter import run_under_interpreter
 
 SCHEMES = ["channel", "block"]
 
@@ -104,13 +102,8 @@ def _main() -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "tests.engine.test_fp8_layers_interpreter"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    if proc.returncode:
-        pytest.fail(f"interpreter run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    stdout = run_under_interpreter("tests.engine.test_fp8_layers_interpreter", timeout=600)
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

@@ -13,10 +13,6 @@
   paged attention against paged_attention_ref on the same fp8 cache.
 """
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +20,7 @@ import torch
 from tandem.kernels.fp8 import (E4M3, dequantize_weight, fp8_linear_ref, fused_experts_fp8_ref, quantize_rows,
                                 quantize_weight)
 from tandem.kernels.moe import fused_experts_ref
+from tests.interpreter import run_under_interpreter
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -220,13 +217,8 @@ def _interpreter_main() -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_fp8"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=900)
-    if proc.returncode:
-        pytest.fail(f"interpreter run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    stdout = run_under_interpreter("tests.kernels.test_fp8", timeout=900)
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("case", ["quant"] + [f"gemm{i}" for i in range(len(GEMM_CASES))] +

@@ -10,13 +10,11 @@ must be set before they are imported). Inputs are fp16/fp32 only: the interprete
 multiplies raw bits (Triton 3.9).
 """
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.interpreter import run_under_interpreter
 
 CASES = ["argmax", "argmax_split_ties_nan", "skinny_gemm", "skinny_gemm_split", "skinny_gemm_pending_norm",
          "topk_routing", "routed_experts_decode", "routed_experts_pending_norm", "routed_experts_no_local_expert",
@@ -188,13 +186,8 @@ def _main() -> None:
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, str]:
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_triton_interpreter"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=900)
-    if proc.returncode:
-        pytest.fail(f"interpreter run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    stdout = run_under_interpreter("tests.kernels.test_triton_interpreter", timeout=900)
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
     return {r["case"]: r["error"] for r in map(json.loads, lines)}
 
 
