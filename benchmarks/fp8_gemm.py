@@ -116,6 +116,21 @@ def _prefill_candidates(block_k) -> list[dict]:
     return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
 
 
+def _timed_if_right(label: str, cand: dict, run, ref: torch.Tensor, time_it) -> float | None:
+    """time_it() for a plan whose output run() (bf16) is within 2e-2 of the float32 reference `ref`;
+    None, reported, for a plan that does not fit (shared memory) or computes something else."""
+    try:
+        err = ((run().float() - ref).norm() / ref.norm()).item()
+        t = time_it()
+    except Exception as exc:
+        print(f"skipped {label} {cand}: {type(exc).__name__}: {exc}"[:300], flush=True)
+        return None
+    if not err < 2e-2:
+        print(f"WRONG {label} {cand}: relative error {err:.3g}", flush=True)
+        return None
+    return t
+
+
 def sweep_rows(rows_list=(1, 64, 4096)) -> list[dict]:
     """Every candidate plan per shape and layout; prints the best of each and returns all rows."""
     from triton.testing import do_bench
@@ -134,14 +149,10 @@ def sweep_rows(rows_list=(1, 64, 4096)) -> list[dict]:
                 timed = []
                 ref = fp8_linear_ref(x, wq, ws, block).float()
                 for cand in cands:
-                    try:
-                        err = ((fp8_linear_triton(x, wq, ws, block, cand).float() - ref).norm() / ref.norm()).item()
-                        ms = do_bench(lambda: fp8_linear_triton(x, wq, ws, block, cand), warmup=5, rep=20)
-                    except Exception as exc:  # a plan that does not fit (shared memory): reported, skipped
-                        print(f"skipped {m}x{n}x{k} {cand}: {type(exc).__name__}: {exc}"[:300], flush=True)
-                        continue
-                    if not err < 2e-2:  # (bf16 output vs the float32 reference)
-                        print(f"WRONG {m}x{n}x{k} {cand}: relative error {err:.3g}", flush=True)
+                    def run():
+                        return fp8_linear_triton(x, wq, ws, block, cand)
+                    ms = _timed_if_right(f"{m}x{n}x{k}", cand, run, ref, lambda: do_bench(run, warmup=5, rep=20))
+                    if ms is None:
                         continue
                     timed.append((ms, cand))
                     rows.append(_row(m, n, k, block, ms, ref_ms, cand))
@@ -201,14 +212,10 @@ def cold_sweep_rows(rows_list=(1,), layouts=("block",)) -> list[dict]:
                 rule = plan(m, n, k, bk)
                 timed = []
                 for cand in [rule] + _cold_candidates(m, n, k, bk):
-                    try:
-                        err = ((fp8_linear_triton(x, wq, ws, block, cand).float() - ref).norm() / ref.norm()).item()
-                        us = _in_graph_us(lambda i: fp8_linear_triton(x, wqs[i], ws, block, cand), copies, calls)
-                    except Exception as exc:  # a plan that does not fit: reported, skipped
-                        print(f"skipped {cand}: {type(exc).__name__}: {exc}"[:200], flush=True)
-                        continue
-                    if not err < 2e-2:
-                        print(f"WRONG {m}x{n}x{k} {cand}: relative error {err:.3g}", flush=True)
+                    us = _timed_if_right(
+                        f"{m}x{n}x{k}", cand, lambda: fp8_linear_triton(x, wq, ws, block, cand), ref,
+                        lambda: _in_graph_us(lambda i: fp8_linear_triton(x, wqs[i], ws, block, cand), copies, calls))
+                    if us is None:
                         continue
                     timed.append((us, cand))
                     rows.append(dict(model="fp8-gemm-cold", what=f"{m}x{n}x{k} {layout}", us=us,
