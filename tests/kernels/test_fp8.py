@@ -90,7 +90,8 @@ MOE_CASES = [  # (tokens, hidden, inter, experts, top_k, block)
     (1, 128, 256, 8, 2, (128, 128)), (5, 128, 128, 4, 2, None), (70, 256, 128, 8, 3, (128, 128)),
 ]
 MOE_PLANS = [  # (case, plan): the w13 and w2 GEMMs on different N tiles, warps, stages (benchmarks/fp8_moe.py)
-    ((2, 256, 128, 8, 2, (128, 128)), dict(BLOCK_M=16, BLOCK_N1=16, BLOCK_N2=32, BLOCK_K=128, num_warps=2, num_stages=3)),
+    ((2, 256, 128, 8, 2, (128, 128)),
+     dict(BLOCK_M=16, BLOCK_N1=16, BLOCK_N2=32, BLOCK_K=128, num_warps=2, num_stages=3)),
     # per-channel, w2's K (96) ragged on BLOCK_K 64, per-GEMM warps and stages
     ((3, 128, 96, 4, 2, None), dict(BLOCK_M=16, BLOCK_N1=32, BLOCK_N2=16, BLOCK_K=64, num_warps=4, num_stages=2,
                                     num_warps1=1, num_stages2=5)),
@@ -287,7 +288,8 @@ def test_fp8_experts_gpu(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", MOE_PLANS + [
-    ((1, 2048, 768, 128, 8, (128, 128)), dict(BLOCK_M=16, BLOCK_N1=16, BLOCK_N2=32, BLOCK_K=128, num_warps=2, num_stages=3)),
+    ((1, 2048, 768, 128, 8, (128, 128)),
+     dict(BLOCK_M=16, BLOCK_N1=16, BLOCK_N2=32, BLOCK_K=128, num_warps=2, num_stages=3)),
     ((16, 2048, 768, 128, 8, None), dict(BLOCK_M=16, BLOCK_N1=128, BLOCK_N2=16, BLOCK_K=128, num_warps=4, num_stages=5,
                                          num_warps2=1, num_stages2=2))])
 def test_fp8_experts_split_plans_gpu(case):
