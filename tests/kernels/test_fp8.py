@@ -66,6 +66,18 @@ def test_fp8_experts_ref_close_to_bf16_experts():
     assert _rel(fused_experts_fp8_ref(x, q13, s13, q2, s2, weights, ids, (32, 32)), ref) < 0.06
 
 
+def test_moe_plan_meta_per_gemm():
+    """An MoE plan's launch meta per GEMM: its own N tile and overrides, else the shared keys."""
+    from tandem.kernels.triton.fp8 import moe_gemm_meta
+    plan = dict(BLOCK_M=16, BLOCK_N1=16, BLOCK_N2=32, BLOCK_K=128, num_warps=2, num_stages=3, num_stages2=5)
+    assert moe_gemm_meta(plan, 1, 128) == dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=2, num_stages=3)
+    assert moe_gemm_meta(plan, 2, None) == dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=2, num_stages=5)
+    with pytest.raises(ValueError, match="BLOCK_N2"):
+        moe_gemm_meta({k: v for k, v in plan.items() if k != "BLOCK_N2"}, 2, 128)
+    with pytest.raises(ValueError, match="must divide"):
+        moe_gemm_meta(plan, 1, 64)  # BLOCK_K 128 over a 64-wide K block
+
+
 # ---- Triton kernels: the same cases in the interpreter (CPU) and on a GPU -------------------------
 
 GEMM_CASES = [  # (rows, N, K, block): the tile plans the kernels pick
