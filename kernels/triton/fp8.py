@@ -215,21 +215,37 @@ def _fp8_grouped_gemm_kernel(
 
 
 def moe_config(num_pairs: int, num_experts: int, block_k: int | None) -> dict:
-    """Tile plan by rows per expert (as kernels/triton/moe.py's), BLOCK_K dividing the K block."""
+    """Tile plan by rows per expert (as kernels/triton/moe.py's), BLOCK_K dividing the K block.
+    BLOCK_N1 is the w13 GEMM's N tile, BLOCK_N2 the w2 GEMM's; num_warps1 / num_stages1 / BLOCK_K1
+    (2 for w2) may override the shared keys for one GEMM (moe_gemm_meta)."""
     bk = min(128, block_k) if block_k else 128
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
     if rows_per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=bk, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=16, BLOCK_N1=64, BLOCK_N2=64, BLOCK_K=bk, num_warps=4, num_stages=4)
     if rows_per_expert <= 64:
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=bk, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=bk, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=32, BLOCK_N1=64, BLOCK_N2=64, BLOCK_K=bk, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N1=128, BLOCK_N2=128, BLOCK_K=bk, num_warps=8, num_stages=3)
 
 
-def _grouped(a, a_s, w, w_s, out, grouping, block, top_k, cfg, gather, gated, scatter, topk_w):
+def moe_gemm_meta(cfg: dict, gemm: int, block_k: int | None) -> dict:
+    """The launch meta of one expert GEMM of an MoE plan (gemm 1: w13, 2: w2): its BLOCK_N{gemm}
+    and the shared BLOCK_M, BLOCK_K, num_warps, num_stages unless the plan overrides them per GEMM
+    (num_warps2, ...). Raises ValueError for a plan without the GEMM's N tile or with a BLOCK_K
+    that does not divide the weight's K block."""
+    if f"BLOCK_N{gemm}" not in cfg:
+        raise ValueError(f"fp8 MoE plan {cfg} has no BLOCK_N{gemm}: it needs BLOCK_N1 (w13) and BLOCK_N2 (w2)")
+    meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg[f"BLOCK_N{gemm}"],
+                **{key: cfg.get(f"{key}{gemm}", cfg[key]) for key in ("BLOCK_K", "num_warps", "num_stages")})
+    if block_k is not None and block_k % meta["BLOCK_K"]:
+        raise ValueError(f"fp8 MoE plan {cfg}: BLOCK_K {meta['BLOCK_K']} must divide the weight's K block {block_k}")
+    return meta
+
+
+def _grouped(a, a_s, w, w_s, out, grouping, block, top_k, meta, gather, gated, scatter, topk_w):
+    """One expert GEMM launch (moe_gemm_meta's meta): a program per (expert block, N tile)."""
     sorted_pairs, block_expert, block_rows, num_blocks = grouping
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
-    meta = {key: cfg[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
     n_tiles = triton.cdiv(n, meta["BLOCK_N"])
     _fp8_grouped_gemm_kernel[(num_blocks * n_tiles,)](
         a, a_s, w, w_s, out, sorted_pairs, block_expert, block_rows, topk_w,
@@ -246,7 +262,8 @@ def fused_experts_fp8_triton(
     cfg: dict | None = None,
 ) -> torch.Tensor:
     """kernels.fp8.fused_experts_fp8_ref on the GPU: quantize x -> grouped GEMM w13 + SiLU-mul ->
-    quantize -> grouped GEMM w2 (weighted, per pair) -> top-k sum. x: [T, H] -> [T, H] x.dtype."""
+    quantize -> grouped GEMM w2 (weighted, per pair) -> top-k sum. x: [T, H] -> [T, H] x.dtype.
+    cfg: a plan shaped as moe_config's (benchmarks/fp8_moe.py sweeps them), else moe_config's."""
     _check_block(block)
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -257,17 +274,19 @@ def fused_experts_fp8_triton(
     if num_tokens == 0:
         return out
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
-    cfg = cfg or moe_config(num_pairs, num_experts, block[1] if block else None)
+    group = block[1] if block else None
+    cfg = cfg or moe_config(num_pairs, num_experts, group)
+    meta1, meta2 = moe_gemm_meta(cfg, 1, group), moe_gemm_meta(cfg, 2, group)
     block_m = cfg["BLOCK_M"]
     num_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
     grouping = (*_align(topk_ids, num_experts, block_m, num_blocks, pdl=False), num_blocks)  # fp8 path: no PDL
-    group = block[1] if block else None
     xq, xs = quantize_rows_triton(x.contiguous(), w13.dtype, group)
     act = torch.empty(num_blocks * block_m, inter, device=x.device, dtype=x.dtype)
-    _grouped(xq, xs, w13, w13_scale.contiguous(), act, grouping, block, top_k, cfg, True, True, False, topk_weights)
+    _grouped(xq, xs, w13, w13_scale.contiguous(), act, grouping, block, top_k, meta1, True, True, False,
+             topk_weights)
     aq, as_ = quantize_rows_triton(act, w2.dtype, group)
     pair_out = torch.empty(num_pairs, hidden, device=x.device, dtype=x.dtype)
-    _grouped(aq, as_, w2, w2_scale.contiguous(), pair_out, grouping, block, top_k, cfg, False, False, True,
+    _grouped(aq, as_, w2, w2_scale.contiguous(), pair_out, grouping, block, top_k, meta2, False, False, True,
              topk_weights)
     _sum_topk(pair_out, topk_ids, out, num_experts, min(1024, triton.next_power_of_2(hidden)),
               (out, out, out, out), False, pdl=False)

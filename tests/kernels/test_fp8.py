@@ -66,6 +66,18 @@ def test_fp8_experts_ref_close_to_bf16_experts():
     assert _rel(fused_experts_fp8_ref(x, q13, s13, q2, s2, weights, ids, (32, 32)), ref) < 0.06
 
 
+def test_moe_plan_meta_per_gemm():
+    """An MoE plan's launch meta per GEMM: its own N tile and overrides, else the shared keys."""
+    from tandem.kernels.triton.fp8 import moe_gemm_meta
+    plan = dict(BLOCK_M=16, BLOCK_N1=16, BLOCK_N2=32, BLOCK_K=128, num_warps=2, num_stages=3, num_stages2=5)
+    assert moe_gemm_meta(plan, 1, 128) == dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=2, num_stages=3)
+    assert moe_gemm_meta(plan, 2, None) == dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=2, num_stages=5)
+    with pytest.raises(ValueError, match="BLOCK_N2"):
+        moe_gemm_meta({k: v for k, v in plan.items() if k != "BLOCK_N2"}, 2, 128)
+    with pytest.raises(ValueError, match="must divide"):
+        moe_gemm_meta(plan, 1, 64)  # BLOCK_K 128 over a 64-wide K block
+
+
 # ---- Triton kernels: the same cases in the interpreter (CPU) and on a GPU -------------------------
 
 GEMM_CASES = [  # (rows, N, K, block): the tile plans the kernels pick
@@ -88,6 +100,13 @@ SKINNY_CASES = [  # (rows, N, K, block, decode-tile plan): every branch of kerne
 ]
 MOE_CASES = [  # (tokens, hidden, inter, experts, top_k, block)
     (1, 128, 256, 8, 2, (128, 128)), (5, 128, 128, 4, 2, None), (70, 256, 128, 8, 3, (128, 128)),
+]
+MOE_PLANS = [  # (case, plan): the w13 and w2 GEMMs on different N tiles, warps, stages (benchmarks/fp8_moe.py)
+    ((2, 256, 128, 8, 2, (128, 128)),
+     dict(BLOCK_M=16, BLOCK_N1=16, BLOCK_N2=32, BLOCK_K=128, num_warps=2, num_stages=3)),
+    # per-channel, w2's K (96) ragged on BLOCK_K 64, per-GEMM warps and stages
+    ((3, 128, 96, 4, 2, None), dict(BLOCK_M=16, BLOCK_N1=32, BLOCK_N2=16, BLOCK_K=64, num_warps=4, num_stages=2,
+                                    num_warps1=1, num_stages2=5)),
 ]
 
 
@@ -156,7 +175,7 @@ def run_pending_norm_case(case, device, dtype, quant_after: bool = True) -> None
         assert _rel(dense, h_ref.double() @ w_dense.double().t()) < 5e-3, case
 
 
-def run_moe_case(case, device, dtype) -> None:
+def run_moe_case(case, device, dtype, cfg: dict | None = None) -> None:
     from tandem.kernels.triton.fp8 import fused_experts_fp8_triton
     t, h, i, e, k, block = case
     g = torch.Generator().manual_seed(t * 7 + e)
@@ -166,9 +185,9 @@ def run_moe_case(case, device, dtype) -> None:
     weights = torch.rand(t, k, generator=g).softmax(-1)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()
     args = [a.to(device) for a in (x, q13, s13, q2, s2, weights, ids)]
-    out = fused_experts_fp8_triton(*args, block)
+    out = fused_experts_fp8_triton(*args, block, cfg)
     ref = fused_experts_fp8_ref(*args, block)
-    assert _rel(out, ref) < 2e-2, (case, _rel(out, ref))
+    assert _rel(out, ref) < 2e-2, (case, cfg, _rel(out, ref))
 
 
 def run_quant_case(device, dtype, exact: bool) -> None:
@@ -204,8 +223,9 @@ def _interpreter_main() -> None:
         except Exception as exc:  # reported per case by the parent
             results[f"skinny{idx}"] = f"{type(exc).__name__}: {exc}"
     pending = lambda case, device, dtype: run_pending_norm_case(case, device, dtype, quant_after=False)  # noqa: E731
+    moe_plan = lambda case, device, dtype: run_moe_case(case[0], device, dtype, case[1])  # noqa: E731
     for kind, cases, fn in (("gemm", GEMM_CASES, run_gemm_case), ("moe", MOE_CASES, run_moe_case),
-                            ("pending", PENDING_NORM_CASES, pending)):
+                            ("pending", PENDING_NORM_CASES, pending), ("moeplan", MOE_PLANS, moe_plan)):
         for idx, case in enumerate(cases):
             try:
                 fn(case, "cpu", E4M3)
@@ -224,7 +244,7 @@ def interpreter_results():
 @pytest.mark.parametrize("case", ["quant"] + [f"gemm{i}" for i in range(len(GEMM_CASES))] +
                          [f"skinny{i}" for i in range(len(SKINNY_CASES))] +
                          [f"pending{i}" for i in range(len(PENDING_NORM_CASES))] +
-                         [f"moe{i}" for i in range(len(MOE_CASES))])
+                         [f"moe{i}" for i in range(len(MOE_CASES))] + [f"moeplan{i}" for i in range(len(MOE_PLANS))])
 def test_fp8_kernel_in_interpreter(interpreter_results, case):
     assert interpreter_results[case] == "", interpreter_results[case]
 
@@ -276,6 +296,17 @@ def test_fp8_gemm_model_shapes_gpu(m, block):
                                               (64, 4096, 1536, 8, 2, None)])
 def test_fp8_experts_gpu(case):
     run_moe_case(case, "cuda", _gpu_fp8())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MOE_PLANS + [
+    ((1, 2048, 768, 128, 8, (128, 128)),
+     dict(BLOCK_M=16, BLOCK_N1=16, BLOCK_N2=32, BLOCK_K=128, num_warps=2, num_stages=3)),
+    ((16, 2048, 768, 128, 8, None), dict(BLOCK_M=16, BLOCK_N1=128, BLOCK_N2=16, BLOCK_K=128, num_warps=4, num_stages=5,
+                                         num_warps2=1, num_stages2=2))])
+def test_fp8_experts_split_plans_gpu(case):
+    """Plans whose two expert GEMMs differ (benchmarks/fp8_moe.py's sweep) against the reference."""
+    run_moe_case(case[0], "cuda", _gpu_fp8(), case[1])
 
 
 @pytest.mark.gpu
