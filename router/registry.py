@@ -20,7 +20,7 @@ import zmq.asyncio
 from tandem.connectors.protocol import PeerGone, encoder
 from tandem.router.config import RouterConfig
 from tandem.router.metrics import RouterMetrics
-from tandem.router.protocol import ROLES, LoadReport, RegisterMessage, UnregisterMessage, decode_message
+from tandem.server.registry_protocol import ROLES, LoadReport, RegisterMessage, UnregisterMessage, decode_message
 
 logger = logging.getLogger(__name__)
 

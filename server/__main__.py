@@ -76,7 +76,7 @@ def run_api_server(args: argparse.Namespace) -> int:
     from tandem.engine.config import config_from_args
     from tandem.server.api import build_app
     from tandem.server.engine_client import EngineClient, EngineStartupError
-    from tandem.router.lifecycle import GracefulServer, Lifecycle, PortInUseError, bind_socket
+    from tandem.server.lifecycle import GracefulServer, Lifecycle, PortInUseError, bind_socket
     from tandem.server.tokenizer import Tokenizer
 
     config = config_from_args(args)

@@ -16,7 +16,7 @@ import uuid
 from tandem.engine.config import EngineConfig, KVTransferConfig, add_engine_args
 from tandem.server.disagg_ports import (InstancePorts, add_disagg_port_args, check_instance_ports, check_ports_free,
                                          instance_ports, plan_ports)
-from tandem.router.lifecycle import PortInUseError
+from tandem.server.lifecycle import PortInUseError
 
 logger = logging.getLogger("tandem.server.roles")
 
@@ -92,8 +92,8 @@ def check_pd_ports(args: argparse.Namespace, config: EngineConfig) -> None:
 
 def start_registration(args: argparse.Namespace, config: EngineConfig, client):
     """Register with the router (and keep pinging with the engine's load)."""
-    from tandem.router.protocol import InstanceInfo
-    from tandem.router.registration import RegistrationClient
+    from tandem.server.registry_protocol import InstanceInfo
+    from tandem.server.registration import RegistrationClient
 
     extra = config.kv_transfer.kv_connector_extra_config
     info = InstanceInfo(instance_id=extra["engine_id"], role=args.role,

@@ -6,7 +6,7 @@ token) waited for the client's delayed ACK, ~40 ms, on every PD request."""
 import asyncio
 import socket
 
-from tandem.router.lifecycle import bind_socket
+from tandem.server.lifecycle import bind_socket
 
 
 async def _accepted_nodelay(sock: socket.socket) -> int:

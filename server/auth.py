@@ -6,7 +6,7 @@ import secrets
 
 from fastapi.responses import JSONResponse
 
-from tandem.router.errors import error_body
+from tandem.server.errors import error_body
 
 PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json", "/instances")
 
@@ -24,7 +24,7 @@ class APIKeyMiddleware:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 body = error_body("invalid or missing API key (send `Authorization: Bearer <key>`)", 401,
-                                  "invalid_api_key")
+                                  code="invalid_api_key")
                 await JSONResponse(body, status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
