@@ -1,4 +1,4 @@
-"""The listening socket the API server and the router hand to uvicorn (router/lifecycle.bind_socket).
+"""The listening socket the API server and the router hand to uvicorn (server/lifecycle.bind_socket).
 
 Reference: TCP_NODELAY on every accepted connection. With Nagle on, a streamed chunk that
 follows the response headers by a millisecond (the router relaying a decode instance's first
