@@ -15,15 +15,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.router.config import RouterConfig
 from tandem.router.errors import RouterError, UpstreamHTTPError, error_response
-from tandem.router.text_check import printable
 from tandem.router.metrics import RouterMetrics
 from tandem.router.orchestrator import PDOrchestrator
-from tandem.router.protocol import ROLES
 from tandem.router.registry import InstanceRegistry
 from tandem.router.upstream import Upstream, make_http_client
-from tandem.router.auth import APIKeyMiddleware
-from tandem.router.lifecycle import GracefulServer, Lifecycle, PortInUseError, bind_socket, check_port_free
-from tandem.router.openapi_errors import document_errors
+from tandem.server.auth import APIKeyMiddleware
+from tandem.server.lifecycle import GracefulServer, Lifecycle, PortInUseError, bind_socket, check_port_free
+from tandem.server.openapi_errors import document_errors
+from tandem.server.registry_protocol import ROLES
+from tandem.server.text_check import printable
 
 logger = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ def _add(group: argparse._ArgumentGroup, *flags: str, **kwargs) -> None:
     try:
         group.add_argument(*flags, **kwargs)
     except argparse.ArgumentError:
-        # The `server` CLI already defines this shared flag (--host, --port, --api-key, ...): reuse it.
+        # The parser already defines this shared flag (--host, --port, --api-key, ...): reuse it.
         pass
 
 

@@ -6,7 +6,7 @@ collocated server gives: choice k = i*n + j (prompt i, sample j), usage with eac
 once, one response id, streamed chunks relayed as they come with their choice's index.
 
 Seeds: sample j of a seeded request is seeded `choice_seed(seed, j)`, the rule the API server
-uses for its own n > 1 (server/generation.py imports it from here), so PD output equals
+uses for its own n > 1 (this module imports it from server/generation.py), so PD output equals
 collocated output choice by choice.
 """
 import asyncio
@@ -18,15 +18,10 @@ from dataclasses import dataclass
 from tandem.router.errors import RouterError
 from tandem.router.relay import OnClose, RelayResponse
 from tandem.router.upstream import UpstreamStream
+from tandem.server.generation import choice_seed
 
 MAX_N = 128  # the API server's bound; a larger n goes unsplit to the instance, which answers the 400
-_SEED_STRIDE = 0x9E3779B97F4A7C15  # sample j > 0 of a seeded request gets a well-spread seed
 _INT64 = 1 << 63
-
-
-def choice_seed(seed: int | None, j: int) -> int | None:
-    """The seed of sample j of a request seeded `seed` (j = 0 keeps it; None stays None)."""
-    return seed if seed is None or j == 0 else (seed + j * _SEED_STRIDE) % _INT64
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,8 @@ from tandem.router.policy import make_policy
 from tandem.router.registry import Instance, InstanceRegistry
 from tandem.router.relay import OnClose, RelayResponse, relay
 from tandem.router.upstream import Upstream, UpstreamStream
-from tandem.router.disconnect import ClientDisconnected, cancel_on_disconnect
-from tandem.router.text_check import find_invalid_text, printable
+from tandem.server.disconnect import ClientDisconnected, cancel_on_disconnect
+from tandem.server.text_check import find_invalid_text, printable
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """InstanceRegistry: the router's live view of prefill/decode/collocated instances.
 
-Instances push pings (router/protocol.py) to a ZMQ PULL socket. A new instance is
+Instances push pings (server/registry_protocol.py) to a ZMQ PULL socket. A new instance is
 admitted only after `GET {http_address}/health` answers 200; one that fails is
 not added and is checked again at its next ping. Each ping refreshes the load and
 the liveness; an instance silent for `instance_timeout_s` is dropped. An instance
@@ -20,7 +20,7 @@ import zmq.asyncio
 from tandem.connectors.protocol import PeerGone, encoder
 from tandem.router.config import RouterConfig
 from tandem.router.metrics import RouterMetrics
-from tandem.router.protocol import ROLES, LoadReport, RegisterMessage, UnregisterMessage, decode_message
+from tandem.server.registry_protocol import ROLES, LoadReport, RegisterMessage, UnregisterMessage, decode_message
 
 logger = logging.getLogger(__name__)
 

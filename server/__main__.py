@@ -2,23 +2,23 @@
 
 collocated (default): API process + engine core process serving the OpenAI API.
 prefill / decode: a collocated server with a KV-transfer role, registered with a router.
-router: the PD proxy (router/). disagg: router + prefill + decode in one process tree.
+router: the PD proxy; this process becomes `python -m tandem.router`, whose flags
+`server --role router --help` lists. disagg: router + prefill + decode in one process tree.
 """
 import argparse
 import logging
 import os
 import signal
 import sys
+from typing import NoReturn
+
+from tandem.server.auth import resolve_api_key
+from tandem.server.lifecycle import StopRequested, raise_stop
 
 logger = logging.getLogger("tandem.server")
 
 ROLES = ("collocated", "prefill", "decode", "router", "disagg")
-API_KEY_ENV = "TANDEM_API_KEY"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-
-
-class _StopRequested(BaseException):
-    """SIGINT/SIGTERM outside uvicorn's own handling (start-up, or re-raised by uvicorn after its stop)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,27 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_api_key(args: argparse.Namespace) -> str | None:
-    """The API key from --api-key, else --api-key-file, else $TANDEM_API_KEY (the one environment
-    variable Tandem reads, here at the CLI layer only)."""
-    if args.api_key:
-        return args.api_key
-    if args.api_key_file:
-        try:
-            with open(args.api_key_file) as f:
-                key = f.readline().strip()
-        except OSError as exc:
-            raise SystemExit(f"server: --api-key-file {args.api_key_file}: {exc.strerror}")
-        if not key:
-            raise SystemExit(f"server: --api-key-file {args.api_key_file} is empty")
-        return key
-    return os.environ.get(API_KEY_ENV) or None
-
-
-def _raise_stop(signum, frame) -> None:
-    raise _StopRequested(signal.Signals(signum).name)
-
-
 def run_api_server(args: argparse.Namespace) -> int:
     """API process + engine core process; returns the exit code (1 if the engine core died or
     failed to start). The HTTP port (and the KV port of a PD instance) is bound before the model
@@ -76,7 +55,7 @@ def run_api_server(args: argparse.Namespace) -> int:
     from tandem.engine.config import config_from_args
     from tandem.server.api import build_app
     from tandem.server.engine_client import EngineClient, EngineStartupError
-    from tandem.router.lifecycle import GracefulServer, Lifecycle, PortInUseError, bind_socket
+    from tandem.server.lifecycle import GracefulServer, Lifecycle, PortInUseError, bind_socket
     from tandem.server.tokenizer import Tokenizer
 
     config = config_from_args(args)
@@ -92,7 +71,7 @@ def run_api_server(args: argparse.Namespace) -> int:
     lifecycle = Lifecycle()
     registration = []
     client = EngineClient(config, args.log_level)
-    previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         client.start()
         tokenizer = None
@@ -119,7 +98,7 @@ def run_api_server(args: argparse.Namespace) -> int:
         lifecycle.on_drain.append(lambda: [r.stop() for r in registration])  # the router stops routing here
         logger.info("listening on http://%s:%d (503 until the model is loaded)", args.host, args.port)
         server.run(sockets=[sock])
-    except _StopRequested as exc:
+    except StopRequested as exc:
         logger.info("%s received; stopping", exc)
     finally:
         for reg in registration:
@@ -139,33 +118,33 @@ def run_api_server(args: argparse.Namespace) -> int:
     return 0
 
 
-def _router_module():
-    """router/ when it provides the CLI hooks (add_router_args, RouterConfig, run_router), else None."""
-    try:
-        from tandem import router
-        return router if all(hasattr(router, n) for n in ("add_router_args", "RouterConfig", "run_router")) else None
-    except ImportError:
-        return None
+def split_role(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(--role's value or None, the command line without --role), read ahead of the full parse."""
+    pre = argparse.ArgumentParser(prog="server", add_help=False)
+    pre.add_argument("--role", default=None)
+    known, rest = pre.parse_known_args(argv)
+    return known.role, rest
+
+
+def exec_router(argv: list[str]) -> NoReturn:
+    """--role router: this process becomes `python -m tandem.router ARGV` (os.execv keeps the pid,
+    so signals, the SIGTERM drain and the exit code are the router's own). The router's CLI parses
+    its flags and --help: the server never imports the router (ARCHITECTURE.md: imports follow
+    client -> router -> server)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "tandem.router", *argv])
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    role, rest = split_role(argv)
+    if role == "router":
+        exec_router(rest)
     parser = build_parser()
-    router = _router_module()
-    if router is not None:
-        router.add_router_args(parser)  # shared flags (--host, --port, --api-key, --log-level) are reused
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.api_key = resolve_api_key(args)
-    if args.role == "router":
-        if router is None:
-            parser.error("--role router: the router package does not provide add_router_args/run_router")
-        signal.signal(signal.SIGINT, _raise_stop)
-        signal.signal(signal.SIGTERM, _raise_stop)
-        try:
-            router.run_router(router.RouterConfig.from_args(args))
-        except _StopRequested as exc:
-            logger.info("%s received; router stopped", exc)
-        return 0
     if args.role == "disagg":
         from tandem.server.roles import run_disagg
         return run_disagg(args)

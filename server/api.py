@@ -14,18 +14,18 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tandem.engine.config import EngineConfig
 from tandem.server import __version__
-from tandem.router.auth import APIKeyMiddleware
+from tandem.server.auth import APIKeyMiddleware
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
-from tandem.router.disconnect import ClientDisconnected, cancel_on_disconnect
+from tandem.server.disconnect import ClientDisconnected, cancel_on_disconnect
 from tandem.server.engine_client import EngineClient
 from tandem.server.errors import APIError, EngineDeadError, error_body, install_error_handlers
 from tandem.server.generation import ServingContext, generation_defaults
-from tandem.router.lifecycle import Lifecycle
+from tandem.server.lifecycle import Lifecycle
 from tandem.server.metrics import CONTENT_TYPE, ServerMetrics
-from tandem.router.openapi_errors import document_errors
+from tandem.server.openapi_errors import document_errors
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, now
-from tandem.router.text_check import find_invalid_text
+from tandem.server.text_check import find_invalid_text
 from tandem.server.tokenizer import Tokenizer
 from tandem.server.tokenize_routes import tokenize_router
 

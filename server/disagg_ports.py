@@ -11,7 +11,7 @@ import argparse
 import random
 from dataclasses import dataclass
 
-from tandem.router.lifecycle import PortInUseError, check_port_free
+from tandem.server.lifecycle import PortInUseError, check_port_free
 
 DEFAULT_BASE_PORT = 30001
 

@@ -6,7 +6,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.router.text_check import printable
+from tandem.server.text_check import printable
 
 logger = logging.getLogger(__name__)
 

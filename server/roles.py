@@ -16,7 +16,7 @@ import uuid
 from tandem.engine.config import EngineConfig, KVTransferConfig, add_engine_args
 from tandem.server.disagg_ports import (InstancePorts, add_disagg_port_args, check_instance_ports, check_ports_free,
                                          instance_ports, plan_ports)
-from tandem.router.lifecycle import PortInUseError
+from tandem.server.lifecycle import PortInUseError
 
 logger = logging.getLogger("tandem.server.roles")
 
@@ -46,6 +46,18 @@ def add_pd_args(parser: argparse.ArgumentParser) -> None:
                    help="disagg: --tensor-parallel-size of each prefill instance (default: --tensor-parallel-size)")
     g.add_argument("--decode-tp", type=int, default=None,
                    help="disagg: --tensor-parallel-size of each decode instance (default: --tensor-parallel-size)")
+    # the router's flags that a disagg tree passes on (`server --role router --help` lists them all)
+    g.add_argument("--registry-port", type=int, default=None,
+                   help="disagg: port of the router's registry socket the instances ping (default: --base-port)")
+    g.add_argument("--registry-host", default=None,
+                   help="disagg: bind host of the router's registry socket (default 127.0.0.1: this node's "
+                        "instances only)")
+    g.add_argument("--routing-policy", choices=["round_robin", "least_load"], default=None,
+                   help="disagg: how the router picks among instances of one role (default: the router's, "
+                        "round_robin)")
+    g.add_argument("--kv-mode", choices=["write", "read"], default=None,
+                   help="disagg: PD KV transfer mode: write = prefill pushes, read = decode pulls (default: the "
+                        "router's, write)")
     add_disagg_port_args(g)
 
 
@@ -92,8 +104,8 @@ def check_pd_ports(args: argparse.Namespace, config: EngineConfig) -> None:
 
 def start_registration(args: argparse.Namespace, config: EngineConfig, client):
     """Register with the router (and keep pinging with the engine's load)."""
-    from tandem.router.protocol import InstanceInfo
-    from tandem.router.registration import RegistrationClient
+    from tandem.server.registry_protocol import InstanceInfo
+    from tandem.server.registration import RegistrationClient
 
     extra = config.kv_transfer.kv_connector_extra_config
     info = InstanceInfo(instance_id=extra["engine_id"], role=args.role,
@@ -197,18 +209,18 @@ def run_disagg(args: argparse.Namespace) -> int:
         raise SystemExit("server: --prefill-gpus / --decode-gpus must list one GPU per instance")
     children: list[tuple[str, subprocess.Popen]] = []
 
-    def spawn(name: str, argv: list[str]) -> None:
-        cmd = [sys.executable, "-m", "tandem.server", *argv, *common]
+    def spawn(name: str, argv: list[str], module: str = "tandem.server") -> None:
+        cmd = [sys.executable, "-m", module, *argv, *common]
         children.append((name, subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=env)))
         logger.info("started %s: %s", name, " ".join(cmd))
 
-    router_argv = ["--role", "router", "--host", args.host, "--port", str(args.port),
+    router_argv = ["--host", args.host, "--port", str(args.port),
                    "--registry-port", str(registry_port),  # the instances register over loopback
-                   "--registry-host", getattr(args, "registry_host", None) or "127.0.0.1"]
+                   "--registry-host", args.registry_host or "127.0.0.1"]
     for flag in ("routing_policy", "kv_mode"):
         if getattr(args, flag, None):
             router_argv += ["--" + flag.replace("_", "-"), getattr(args, flag)]
-    spawn("router", router_argv)
+    spawn("router", router_argv, "tandem.router")  # the router's own CLI: the server never imports it
     base = _without_flags(engine_argv(args), ("--tensor-parallel-size", "--master-port", "--device"))
     for role, gpus, role_ports in (("prefill", prefill_gpus, ports.prefill), ("decode", decode_gpus, ports.decode)):
         for i, gpu in enumerate(gpus):

@@ -175,8 +175,8 @@ class Deployment:
             time.sleep(0.5)
 
     def _register_collocated(self, registry: str) -> None:
-        from tandem.router.protocol import InstanceInfo
-        from tandem.router.registration import RegistrationClient
+        from tandem.server.registry_protocol import InstanceInfo
+        from tandem.server.registration import RegistrationClient
 
         for p in self.instances:
             info = InstanceInfo(instance_id=f"{self.topology.name}-{p.name}", role="collocated", http_address=p.url)

@@ -21,24 +21,22 @@ def tool(name: str) -> str:
     return found
 
 
-def server_parser() -> argparse.ArgumentParser:
-    """The `server` CLI's parser with the router's flags, as `server` builds it."""
-    from tandem.router import add_router_args
-    from tandem.server.__main__ import build_parser
-
-    parser = build_parser()
-    add_router_args(parser)
-    return parser
-
-
 def parse_server_args(argv: list[str]) -> argparse.Namespace:
-    """Parse a `server` command line; an unknown flag or bad value fails the test with its text."""
-    parser = server_parser()
+    """Parse a `server` command line as `server` does (--role router: the rest with the router's
+    parser, as the `python -m tandem.router` that process becomes); an unknown flag or bad value
+    fails the test with its text."""
+    from tandem.router.__main__ import build_parser as router_parser
+    from tandem.server.__main__ import build_parser, split_role
+
+    role, rest = split_role(argv)
+    parser, line = (router_parser(), rest) if role == "router" else (build_parser(), argv)
     try:
-        args, unknown = parser.parse_known_args(argv)
+        args, unknown = parser.parse_known_args(line)
     except SystemExit:
         pytest.fail(f"`server` rejects the command line {argv}")
     assert not unknown, f"`server` does not know {unknown} (in {argv})"
+    if role == "router":
+        args.role = "router"
     if args.role not in ("router", "disagg"):
         from tandem.engine.config import config_from_args
         config_from_args(args)  # the engine's part must build an EngineConfig too

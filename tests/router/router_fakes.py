@@ -15,8 +15,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tandem.router.protocol import InstanceInfo
-from tandem.router.registration import RegistrationClient
+from tandem.server.registry_protocol import InstanceInfo
+from tandem.server.registration import RegistrationClient
 
 STREAM_TEXTS = ["Hello", ",", " world", "!"]
 

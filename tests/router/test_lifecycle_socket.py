@@ -1,4 +1,4 @@
-"""The listening socket the API server and the router hand to uvicorn (router/lifecycle.bind_socket).
+"""The listening socket the API server and the router hand to uvicorn (server/lifecycle.bind_socket).
 
 Reference: TCP_NODELAY on every accepted connection. With Nagle on, a streamed chunk that
 follows the response headers by a millisecond (the router relaying a decode instance's first
@@ -6,7 +6,7 @@ token) waited for the client's delayed ACK, ~40 ms, on every PD request."""
 import asyncio
 import socket
 
-from tandem.router.lifecycle import bind_socket
+from tandem.server.lifecycle import bind_socket
 
 
 async def _accepted_nodelay(sock: socket.socket) -> int:

@@ -3,7 +3,8 @@ server's own numbering and seeding of n > 1 (server/generation.py: choice i*n+j,
 and OpenAI's usage rule (each prompt counted once)."""
 import json
 
-from tandem.router.fanout import choice_seed, merge_answers, split_request
+from tandem.router.fanout import merge_answers, split_request
+from tandem.server.generation import choice_seed
 
 
 def test_split_numbers_choices_like_the_server_and_seeds_each_sample():

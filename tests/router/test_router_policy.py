@@ -2,7 +2,7 @@
 import time
 
 from tandem.router.policy import LeastLoadPolicy, RoundRobinPolicy
-from tandem.router.protocol import LoadReport, RegisterMessage
+from tandem.server.registry_protocol import LoadReport, RegisterMessage
 from tandem.router.registry import Instance
 from tests.router.router_fakes import wait_for
 

@@ -9,9 +9,9 @@ import zmq
 
 from tandem.router.app import run_router
 from tandem.router.config import RouterConfig, add_router_args
-from tandem.router.protocol import (InstanceInfo, LoadReport, RegisterMessage, UnregisterMessage, decode_message,
-                             encode_message)
-from tandem.router.registration import RegistrationClient
+from tandem.server.registration import RegistrationClient
+from tandem.server.registry_protocol import (InstanceInfo, LoadReport, RegisterMessage, UnregisterMessage,
+                                             decode_message, encode_message)
 from tests.router.router_fakes import FakeInstance, ServerThread, free_port, wait_for
 
 COMPLETION = {"model": "fake-model", "prompt": "hi", "max_tokens": 4}

@@ -1,7 +1,9 @@
-"""Every flag of `server --help` (and of `python -m tandem.router --help`) has a help text.
+"""Every flag of `server --help` (and of `python -m tandem.router --help`, which `server --role
+router --help` shows) has a help text.
 
-Reference: the parser `server` really builds (build_parser plus the router's flags that main()
-adds), walked action by action; and the CLIs themselves, run in a subprocess."""
+Reference: the parsers the CLIs really build (the server's build_parser; the router's, which
+`server --role router` execs into), walked action by action; and the CLIs themselves, run in a
+subprocess."""
 import argparse
 import dataclasses
 import subprocess
@@ -10,16 +12,11 @@ import sys
 import pytest
 
 from tandem.engine.config import EngineConfig
-from tandem.router.config import add_router_args
-from tandem.server.__main__ import _router_module, build_parser
+from tandem.router.__main__ import build_parser as router_parser
+from tandem.server.__main__ import build_parser
 
-
-def _server_parser() -> argparse.ArgumentParser:
-    parser = build_parser()
-    router = _router_module()
-    assert router is not None, "the router package no longer provides its CLI hooks"
-    router.add_router_args(parser)
-    return parser
+# the router's flags a disagg tree passes on to its router, which the server parser defines itself
+DISAGG_ROUTER_FLAGS = ("--registry-port", "--registry-host", "--routing-policy", "--kv-mode")
 
 
 def _flags_without_help(parser: argparse.ArgumentParser) -> list[str]:
@@ -28,10 +25,7 @@ def _flags_without_help(parser: argparse.ArgumentParser) -> list[str]:
             and not (action.help or "").strip()]
 
 
-@pytest.mark.parametrize("make_parser", [
-    _server_parser,
-    lambda: add_router_args(argparse.ArgumentParser()),
-], ids=["server", "router"])
+@pytest.mark.parametrize("make_parser", [build_parser, router_parser], ids=["server", "router"])
 def test_every_flag_has_help(make_parser) -> None:
     parser = make_parser()
     assert len([a for a in parser._actions if a.option_strings]) > 10  # the walk saw the real flags
@@ -55,10 +49,24 @@ def test_every_engine_field_carries_its_help() -> None:
     assert missing == []
 
 
-@pytest.mark.parametrize("module", ["tandem.server", "tandem.router"])
-def test_help_exits_zero(module: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60)
+def test_disagg_takes_the_router_flags_as_the_router_does() -> None:
+    """Same choices and type on both sides, so a disagg tree never hands its router a value the
+    router refuses."""
+    def actions(parser: argparse.ArgumentParser) -> dict:
+        return {a.option_strings[0]: (a.choices, a.type) for a in parser._actions if a.option_strings}
+
+    server, router = actions(build_parser()), actions(router_parser())
+    assert {f: server[f] for f in DISAGG_ROUTER_FLAGS} == {f: router[f] for f in DISAGG_ROUTER_FLAGS}
+
+
+@pytest.mark.parametrize("argv", [["-m", "tandem.server"], ["-m", "tandem.router"],
+                                  ["-m", "tandem.server", "--role", "router"]], ids=["server", "router", "role-router"])
+def test_help_exits_zero(argv: list[str]) -> None:
+    proc = subprocess.run([sys.executable, *argv, "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "--port" in proc.stdout
-    if module == "tandem.server":
-        assert "--max-model-len" in proc.stdout and "--registry-port" in proc.stdout
+    assert "--port" in proc.stdout and "--registry-port" in proc.stdout
+    if argv[1:] == ["tandem.server"]:
+        assert "--max-model-len" in proc.stdout and "--role router --help" in proc.stdout
+    else:  # the router's own CLI (`server --role router` becomes it)
+        assert "--instance-timeout" in proc.stdout and "--api-key-file" in proc.stdout
+        assert "--max-model-len" not in proc.stdout

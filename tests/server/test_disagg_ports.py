@@ -5,7 +5,6 @@ import pytest
 
 from tandem.connectors import data_port
 from tandem.engine.config import config_from_args
-from tandem.router import add_router_args
 from tandem.server.__main__ import build_parser
 from tandem.server.disagg_ports import InstancePorts, check_ports_free, plan_ports
 from tandem.server.roles import pd_config
@@ -13,9 +12,7 @@ from tests.ports import free_port_range
 
 
 def _args(*argv: str):
-    parser = build_parser()
-    add_router_args(parser)  # as `server` does: --registry-port
-    return parser.parse_args(list(argv))
+    return build_parser().parse_args(list(argv))
 
 
 def _plan(*argv: str, prefill_tp: int = 2, decode_tp: int = 1):

@@ -180,7 +180,7 @@ def test_malformed_kv_transfer_params_are_a_400_naming_the_field(fake_app, param
 
 
 def test_api_key_guards_every_route_that_takes_client_text(tok, tiny_model_dir):
-    """Reference: router/auth.py's contract (README, "API key"): only /health, /metrics and /version are
+    """Reference: server/auth.py's contract (README, "API key"): only /health, /metrics and /version are
     open without the key; everything reading client text or describing the API is 401 without it."""
     fake = FakeEngineClient()
     fake.info.tokenizer_path = tok.path

@@ -3,7 +3,8 @@
 An instance (prefill, decode or collocated API server) pushes a msgpack-encoded
 `RegisterMessage` every ping interval to the router's registry socket (ZMQ PUSH
 -> PULL), and one `UnregisterMessage` on clean shutdown. The first field of the
-encoded map is `"type"`: `"register"` or `"unregister"`.
+encoded map is `"type"`: `"register"` or `"unregister"`. The instance side lives here in
+server/ (server/registration.py sends them); router/registry.py imports it to decode them.
 """
 from typing import Literal
 

@@ -19,7 +19,7 @@ from typing import Callable
 import msgspec
 import zmq
 
-from tandem.router.protocol import InstanceInfo, LoadReport, RegisterMessage, UnregisterMessage, encode_message
+from tandem.server.registry_protocol import InstanceInfo, LoadReport, RegisterMessage, UnregisterMessage, encode_message
 
 logger = logging.getLogger(__name__)
 

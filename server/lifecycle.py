@@ -19,6 +19,16 @@ class PortInUseError(RuntimeError):
     """A port the process must listen on is taken (raised before any model is loaded)."""
 
 
+class StopRequested(BaseException):
+    """SIGINT/SIGTERM outside uvicorn's own handling (start-up, or re-raised by uvicorn after its
+    stop): install `raise_stop` for both, catch this, exit 0."""
+
+
+def raise_stop(signum: int, frame) -> None:
+    """A signal handler: raise StopRequested("SIGTERM" / "SIGINT")."""
+    raise StopRequested(signal.Signals(signum).name)
+
+
 class Lifecycle:
     """The server's status and what runs when it changes (`on_ready`: e.g. register with the router;
     `on_drain`: e.g. unregister, so the router stops sending new requests)."""

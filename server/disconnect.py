@@ -1,7 +1,7 @@
 """Cancel a request's work when its HTTP client goes away before the answer is ready (the API
 server's non-streaming routes and the router's orchestration both use it; streaming responses
-see the disconnect through Starlette cancelling the stream). It lives in router/, which the
-server already imports (the `router` role, instance registration), so router never imports server."""
+see the disconnect through Starlette cancelling the stream). It lives in server/: the router
+imports the server's pieces, never the other way (imports follow the data flow)."""
 import asyncio
 from typing import Awaitable, TypeVar
 
