@@ -58,7 +58,22 @@ def add_pd_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-mode", choices=["write", "read"], default=None,
                    help="disagg: PD KV transfer mode: write = prefill pushes, read = decode pulls (default: the "
                         "router's, write)")
+    for flag, what in _ROUTER_TIMEOUTS.items():
+        g.add_argument(flag, dest=_dest(flag), type=float, default=None, help=f"disagg: the router's {flag} ({what})")
     add_disagg_port_args(g)
+
+
+# the router's timeouts a disagg tree passes on (seconds; `server --role router --help` says more)
+_ROUTER_TIMEOUTS = {"--request-timeout": "an upstream silent this long fails the request",
+                    "--connect-timeout": "connecting to an instance", "--instance-timeout":
+                    "an instance silent this long is dropped", "--ping-interval": "instances' registry pings",
+                    "--health-check-timeout": "one /health probe"}
+
+
+def _dest(flag: str) -> str:
+    """argparse dest of a disagg router flag: the router's own (its timeouts end in _s)."""
+    name = flag.lstrip("-").replace("-", "_")
+    return name + "_s" if flag in _ROUTER_TIMEOUTS else name
 
 
 def free_port() -> int:
@@ -217,9 +232,9 @@ def run_disagg(args: argparse.Namespace) -> int:
     router_argv = ["--host", args.host, "--port", str(args.port),
                    "--registry-port", str(registry_port),  # the instances register over loopback
                    "--registry-host", args.registry_host or "127.0.0.1"]
-    for flag in ("routing_policy", "kv_mode"):
-        if getattr(args, flag, None):
-            router_argv += ["--" + flag.replace("_", "-"), getattr(args, flag)]
+    for flag in ("--routing-policy", "--kv-mode", *_ROUTER_TIMEOUTS):
+        if getattr(args, _dest(flag), None) is not None:
+            router_argv += [flag, str(getattr(args, _dest(flag)))]
     spawn("router", router_argv, "tandem.router")  # the router's own CLI: the server never imports it
     base = _without_flags(engine_argv(args), ("--tensor-parallel-size", "--master-port", "--device"))
     for role, gpus, role_ports in (("prefill", prefill_gpus, ports.prefill), ("decode", decode_gpus, ports.decode)):

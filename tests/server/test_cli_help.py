@@ -16,7 +16,8 @@ from tandem.router.__main__ import build_parser as router_parser
 from tandem.server.__main__ import build_parser
 
 # the router's flags a disagg tree passes on to its router, which the server parser defines itself
-DISAGG_ROUTER_FLAGS = ("--registry-port", "--registry-host", "--routing-policy", "--kv-mode")
+DISAGG_ROUTER_FLAGS = ("--registry-port", "--registry-host", "--routing-policy", "--kv-mode", "--request-timeout",
+                       "--connect-timeout", "--instance-timeout", "--ping-interval", "--health-check-timeout")
 
 
 def _flags_without_help(parser: argparse.ArgumentParser) -> list[str]:
@@ -53,7 +54,7 @@ def test_disagg_takes_the_router_flags_as_the_router_does() -> None:
     """Same choices and type on both sides, so a disagg tree never hands its router a value the
     router refuses."""
     def actions(parser: argparse.ArgumentParser) -> dict:
-        return {a.option_strings[0]: (a.choices, a.type) for a in parser._actions if a.option_strings}
+        return {a.option_strings[0]: (a.choices, a.type, a.dest) for a in parser._actions if a.option_strings}
 
     server, router = actions(build_parser()), actions(router_parser())
     assert {f: server[f] for f in DISAGG_ROUTER_FLAGS} == {f: router[f] for f in DISAGG_ROUTER_FLAGS}
