@@ -7,7 +7,7 @@ wall time at which its handler had parsed the JSON body; the clients, in this pr
 hop is that time less the time just before the call. Clients:
 
   direct-aiohttp   aiohttp, json=body (what benchmarks.serve sends: the client -> server hop)
-  upstream         the router's Upstream.post_json (router/upstream.py, as configured)
+  upstream         the router's Upstream.post_json (router/upstream.py: aiohttp since issue 27)
   httpx-json       an httpx.AsyncClient, json=body (the router's client before issue 27)
   httpx-bytes      the same with pre-encoded bytes
   aiohttp-bytes    aiohttp with pre-encoded bytes
@@ -74,7 +74,7 @@ async def _upstream_poster(url: str):
 
     async def post(body: dict) -> dict:
         return await upstream.post_json(inst, "/v1/completions", body, {"X-Request-Id": "hop"})
-    return post, upstream.close if hasattr(upstream, "close") else client.aclose
+    return post, client.close if isinstance(client, aiohttp.ClientSession) else client.aclose
 
 
 async def _clients(url: str):
