@@ -12,6 +12,7 @@ import json
 from typing import AsyncIterator, Callable
 
 import aiohttp
+import anyio
 
 from tandem.router.errors import RouterError, UpstreamHTTPError
 from tandem.router.metrics import RouterMetrics
@@ -46,6 +47,8 @@ class UpstreamStream:
         self.response = response
         self._failure = failure
         self._closed = False
+        self._read_ahead: list[bytes] = []  # read by peek(), relayed first
+        self._companions: list[asyncio.Task] = []  # calls that end with this response (close_with)
 
     @property
     def status_code(self) -> int:
@@ -61,6 +64,8 @@ class UpstreamStream:
 
     async def next_chunk(self) -> bytes:
         """The next bytes of the body as they arrived; b"" at its end. A transport failure raises RouterError."""
+        if self._read_ahead:
+            return self._read_ahead.pop(0)
         try:
             return await self.response.content.readany()
         except TransportError as e:
@@ -74,15 +79,42 @@ class UpstreamStream:
     async def aread(self) -> bytes:
         return b"".join([chunk async for chunk in self.aiter_chunks()])
 
+    async def peek(self) -> bytes:
+        """The body's first bytes: up to the end of its first SSE event for an event stream, else its
+        first chunk (b"" when the body is empty). They stay to be read again (next_chunk, aread)."""
+        assert not self._read_ahead, "peek() is called once, before the body is read"
+        head = b""
+        while True:
+            chunk = await self.next_chunk()
+            if not chunk:
+                break
+            self._read_ahead.append(chunk)
+            head += chunk
+            if not self.is_event_stream or b"\n\n" in head.replace(b"\r\n", b"\n"):
+                break
+        return head
+
+    def close_with(self, task: asyncio.Task) -> None:
+        """Let `task`, a call this response no longer waits for, end with it: aclose() awaits it when
+        the body was read to its end, and cancels it first when not (the client left, the stream broke)."""
+        self._companions.append(task)
+
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.instance.num_inflight -= 1
-        if self.response.content.is_eof():
+        complete = self.response.content.is_eof() and not self._read_ahead
+        if complete:
             self.response.release()  # read to the end: the connection goes back to the pool
         else:
             self.response.close()  # the instance sees the disconnect
+        for task in self._companions:
+            if not complete:
+                task.cancel()
+        if self._companions:
+            with anyio.CancelScope(shield=True):  # awaited even while the caller is being cancelled
+                await asyncio.gather(*self._companions, return_exceptions=True)
 
 
 class Upstream:
