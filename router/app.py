@@ -51,7 +51,7 @@ def build_app(config: RouterConfig, lifecycle: Lifecycle | None = None) -> FastA
         finally:
             lifecycle.drain()
             await registry.stop()
-            await client.aclose()
+            await client.close()
 
     off = {"docs_url": None, "redoc_url": None, "openapi_url": None} if config.disable_docs else {}
     app = FastAPI(title="Tandem router", lifespan=lifespan, **off)
@@ -137,7 +137,6 @@ def run_router(config: RouterConfig) -> None:
     SystemExit(1) before serving."""
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per upstream request
     try:
         sock = bind_socket(config.host, config.port, "the router's HTTP API")
         if config.registry_port:

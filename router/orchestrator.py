@@ -24,8 +24,12 @@ Write mode (prefill pushes), concurrent, one transfer_id = uuid4().hex:
   P gets the prefill body (as in read mode) + kv_transfer_params={"do_remote_decode": true,
     "mode": "write", "transfer_id", "remote_engine_id": D.engine_id, "remote_host": D.kv_host,
     "remote_port": D.kv_handshake_port, "remote_notify_port": D.kv_notify_port}.
-  D's output reaches the client only once P answered successfully: if P fails first,
-  D is cancelled and the client gets P's error; if D fails, P is cancelled.
+  D's output is relayed as soon as D produced some (its first SSE event that is not an error,
+  or the start of its JSON answer): D's first token comes from P after P pushed the whole
+  prompt's KV, so P's own answer adds nothing. If P fails before that, D is cancelled and the
+  client gets P's error; if D fails first, P is cancelled; when D's first event is an error,
+  P's answer is awaited as well (P's error wins). P's answer arriving after the relay began is
+  awaited when D's response ends (cancelled if the client left); a failure there is logged.
 
 A batched prompt or n > 1 fans out to one transfer per choice (router/fanout.py), merged into one answer.
 
@@ -38,6 +42,7 @@ import json
 import logging
 import time
 import uuid
+from functools import partial
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
@@ -122,8 +127,29 @@ async def _cancel_all(*tasks: asyncio.Task) -> None:
     for task in tasks:
         if task.done() and not task.cancelled() and task.exception() is None:
             result = task.result()
+            result = result[0] if isinstance(result, tuple) else result  # _open_decode's (stream, started)
             if isinstance(result, UpstreamStream):
                 await result.aclose()
+
+
+def has_output(head: bytes, event_stream: bool) -> bool:
+    """Whether the first bytes of decode's 200 answer (UpstreamStream.peek) show output: a JSON
+    answer began (decode finished), or the first SSE event carries data that is not an error."""
+    if not event_stream:
+        return bool(head)
+    event = head.replace(b"\r\n", b"\n").split(b"\n\n", 1)[0]
+    data = b"\n".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
+    try:
+        chunk = json.loads(data)
+    except ValueError:  # no data, [DONE], or not JSON
+        return False
+    return isinstance(chunk, dict) and "error" not in chunk
+
+
+def _log_late_prefill_failure(request_id: str, task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("request %s: prefill failed after decode's output was being relayed (left as it is): %s",
+                       request_id, task.exception())
 
 
 async def _all_or_first_failure(tasks: list[asyncio.Task]) -> None:
@@ -292,17 +318,40 @@ class PDOrchestrator:
                                                                   transfer_id=transfer_id, **peer_kv_address(decode)))
         # prefill first: it computes at once (the TTFT path); decode's block ids reach it meanwhile
         prefill_task = asyncio.create_task(self._prefill(prefill, path, prefill_body, headers))
-        decode_task = asyncio.create_task(self.upstream.open_stream(decode, path, decode_body, headers))
+        decode_task = asyncio.create_task(self._open_decode(decode, path, decode_body, headers))
         try:
-            await self._both_or_first_failure(prefill_task, decode_task)
+            stream = await self._decode_once_started(prefill_task, decode_task)
         except BaseException:
             await _cancel_all(prefill_task, decode_task)
             raise
+        if not prefill_task.done():
+            prefill_task.add_done_callback(partial(_log_late_prefill_failure, headers["X-Request-Id"]))
+            stream.close_with(prefill_task)
         stamp(logger, "router", "relay_start", headers["X-Request-Id"])
-        return decode_task.result()
+        return stream
+
+    async def _open_decode(self, decode: Instance, path: str, body: dict,
+                           headers: dict[str, str]) -> tuple[UpstreamStream, bool]:
+        """D's open response, once its first bytes arrived, and whether they show output (has_output)."""
+        stream = await self.upstream.open_stream(decode, path, body, headers)
+        try:
+            head = await stream.peek()
+        except BaseException:
+            await stream.aclose()
+            raise
+        return stream, has_output(head, stream.is_event_stream)
 
     @staticmethod
-    async def _both_or_first_failure(prefill_task: asyncio.Task, decode_task: asyncio.Task) -> None:
-        """Wait until P answered and D's response opened; raise the first failure (P's when both
-        failed: it is usually the cause of D's)."""
-        await _all_or_first_failure([prefill_task, decode_task])
+    async def _decode_once_started(prefill_task: asyncio.Task, decode_task: asyncio.Task) -> UpstreamStream:
+        """D's response once D showed output, or once P answered too when D's first event is not
+        output; raise the first failure (P's when both failed in one wake-up: it is usually the
+        cause of D's)."""
+        while True:
+            await asyncio.wait([t for t in (prefill_task, decode_task) if not t.done()],
+                               return_when=asyncio.FIRST_COMPLETED)
+            if prefill_task.done() and prefill_task.exception() is not None:
+                raise prefill_task.exception()
+            if decode_task.done():
+                stream, started = decode_task.result()
+                if started or prefill_task.done():
+                    return stream

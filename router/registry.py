@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 import msgspec
 import zmq
 import zmq.asyncio
@@ -64,7 +64,7 @@ class Instance:
 
 
 class InstanceRegistry:
-    def __init__(self, config: RouterConfig, client: httpx.AsyncClient, metrics: RouterMetrics | None = None):
+    def __init__(self, config: RouterConfig, client: aiohttp.ClientSession, metrics: RouterMetrics | None = None):
         self.config = config
         self._client = client
         self._metrics = metrics
@@ -195,12 +195,14 @@ class InstanceRegistry:
     async def _check_health(self, http_address: str) -> str | None:
         """None when /health answers 200, else what went wrong."""
         url = http_address.rstrip("/") + "/health"
+        timeout = aiohttp.ClientTimeout(total=self.config.health_check_timeout_s)
         try:
-            resp = await self._client.get(url, timeout=self.config.health_check_timeout_s)
-        except httpx.HTTPError as e:
+            async with self._client.get(url, timeout=timeout) as resp:
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return f"GET {url} failed: {type(e).__name__}: {e}"
-        if resp.status_code != 200:
-            return f"GET {url} answered HTTP {resp.status_code}"
+        if status != 200:
+            return f"GET {url} answered HTTP {status}"
         return None
 
     def _unregister(self, instance_id: str) -> None:

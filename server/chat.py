@@ -1,5 +1,5 @@
 """POST /v1/chat/completions: messages through the model's chat template, chat-format logprobs,
-n, stop strings, tool calls, streaming (role delta first)."""
+n, stop strings, tool calls, streaming (role delta with a choice's first output)."""
 import json
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -97,11 +97,14 @@ def _finish_reason(reason: str | None, made_tool_calls: bool) -> str | None:
 async def _stream(ctx, body, requests, choices, base, num_prompt_tokens, num_top, plan: ToolPlan):
     base = {**base, "object": "chat.completion.chunk"}
     tool_streams = {rid: ToolCallStream(plan) for rid in choices}
+    started: set[str] = set()  # choices whose role delta went out
     try:
-        for choice in sorted(choices.values(), key=lambda c: c.index):
-            yield sse({**base, "choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]})
         async for choice, delta in run_choices(ctx, requests, choices):
+            if choice.request_id not in started:
+                # with the choice's first output, as vLLM: a PD router reads decode's first event as its first token
+                started.add(choice.request_id)
+                yield sse({**base, "choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
             tools = tool_streams[choice.request_id]
             message = tools.add(delta.text, delta.finish_reason is not None)
             if not message and delta.finish_reason is None and (num_top is None or not delta.token_ids):

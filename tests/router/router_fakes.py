@@ -3,7 +3,7 @@
 A FakeInstance is a small FastAPI app that records every body it receives, answers
 with canned OpenAI-shaped responses, and registers with the router through the
 real RegistrationClient. Knobs (set from the test thread): healthy, fail_status,
-delay_s (before the answer), chunk_delay_s, load.
+delay_s (before the answer), chunk_delay_s, error_event_first, load.
 """
 import asyncio
 import json
@@ -81,6 +81,7 @@ class FakeInstance:
         self.fail_status: int | None = None
         self.delay_s = 0.0
         self.chunk_delay_s = 0.0
+        self.error_event_first = False  # a stream starts with an error event (as a decode whose KV never came)
         self.load = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
         self.received: list[dict] = []  # {"path", "body", "headers"} per request
         self.cancelled = 0  # requests whose client (the router) went away before the answer ended
@@ -154,6 +155,10 @@ class FakeInstance:
                                            "code": None}}, status_code=400)
         if body.get("stream"):
             events = [f"data: {json.dumps(self._chunk(path, text))}\n\n" for text in STREAM_TEXTS]
+            if self.error_event_first:
+                error = {"error": {"message": f"{self.instance_id} stream error", "type": "server_error",
+                                   "param": None, "code": 500}}
+                events.insert(0, f"data: {json.dumps(error)}\n\n")
             return self._respond(events + ["data: [DONE]\n\n"], 200, "text/event-stream")
         answer = {"id": f"cmpl-{self.instance_id}", "object": "text_completion", "model": "fake-model",
                   "served_by": self.instance_id,
