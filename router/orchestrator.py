@@ -127,7 +127,6 @@ async def _cancel_all(*tasks: asyncio.Task) -> None:
     for task in tasks:
         if task.done() and not task.cancelled() and task.exception() is None:
             result = task.result()
-            result = result[0] if isinstance(result, tuple) else result  # _open_decode's (stream, started)
             if isinstance(result, UpstreamStream):
                 await result.aclose()
 
@@ -331,15 +330,15 @@ class PDOrchestrator:
         return stream
 
     async def _open_decode(self, decode: Instance, path: str, body: dict,
-                           headers: dict[str, str]) -> tuple[UpstreamStream, bool]:
-        """D's open response, once its first bytes arrived, and whether they show output (has_output)."""
+                           headers: dict[str, str]) -> UpstreamStream:
+        """D's open response, once its first bytes arrived (peeked: its `head`)."""
         stream = await self.upstream.open_stream(decode, path, body, headers)
         try:
-            head = await stream.peek()
+            await stream.peek()
         except BaseException:
             await stream.aclose()
             raise
-        return stream, has_output(head, stream.is_event_stream)
+        return stream
 
     @staticmethod
     async def _decode_once_started(prefill_task: asyncio.Task, decode_task: asyncio.Task) -> UpstreamStream:
@@ -352,6 +351,6 @@ class PDOrchestrator:
             if prefill_task.done() and prefill_task.exception() is not None:
                 raise prefill_task.exception()
             if decode_task.done():
-                stream, started = decode_task.result()
-                if started or prefill_task.done():
+                stream = decode_task.result()
+                if has_output(stream.head, stream.is_event_stream) or prefill_task.done():
                     return stream

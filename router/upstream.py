@@ -48,6 +48,7 @@ class UpstreamStream:
         self._failure = failure
         self._closed = False
         self._read_ahead: list[bytes] = []  # read by peek(), relayed first
+        self.head = b""  # what peek() returned
         self._companions: list[asyncio.Task] = []  # calls that end with this response (close_with)
 
     @property
@@ -81,18 +82,18 @@ class UpstreamStream:
 
     async def peek(self) -> bytes:
         """The body's first bytes: up to the end of its first SSE event for an event stream, else its
-        first chunk (b"" when the body is empty). They stay to be read again (next_chunk, aread)."""
+        first chunk (b"" when the body is empty), also kept as `head`. They stay to be read again
+        (next_chunk, aread)."""
         assert not self._read_ahead, "peek() is called once, before the body is read"
-        head = b""
         while True:
             chunk = await self.next_chunk()
             if not chunk:
                 break
             self._read_ahead.append(chunk)
-            head += chunk
-            if not self.is_event_stream or b"\n\n" in head.replace(b"\r\n", b"\n"):
+            self.head += chunk
+            if not self.is_event_stream or b"\n\n" in self.head.replace(b"\r\n", b"\n"):
                 break
-        return head
+        return self.head
 
     def close_with(self, task: asyncio.Task) -> None:
         """Let `task`, a call this response no longer waits for, end with it: aclose() awaits it when
@@ -109,8 +110,8 @@ class UpstreamStream:
             self.response.release()  # read to the end: the connection goes back to the pool
         else:
             self.response.close()  # the instance sees the disconnect
-        for task in self._companions:
-            if not complete:
+        if not complete:
+            for task in self._companions:
                 task.cancel()
         if self._companions:
             with anyio.CancelScope(shield=True):  # awaited even while the caller is being cancelled
