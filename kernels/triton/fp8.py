@@ -19,8 +19,7 @@ import triton.language as tl
 
 from tandem.kernels.triton import fp8_skinny
 from tandem.kernels.triton.fp8_skinny import quantize_rows_triton
-from tandem.kernels.triton.moe import _align, _sum_topk, gated_scatter_store
-from tandem.kernels.triton.pdl import launch_args, wait_previous
+from tandem.kernels.triton.moe import _align, _sum_topk, gated_scatter_store, moe_gemm_meta
 
 
 @triton.jit
@@ -225,20 +224,6 @@ def moe_config(num_pairs: int, num_experts: int, block_k: int | None) -> dict:
     if rows_per_expert <= 64:
         return dict(BLOCK_M=32, BLOCK_N1=64, BLOCK_N2=64, BLOCK_K=bk, num_warps=4, num_stages=4)
     return dict(BLOCK_M=64, BLOCK_N1=128, BLOCK_N2=128, BLOCK_K=bk, num_warps=8, num_stages=3)
-
-
-def moe_gemm_meta(cfg: dict, gemm: int, block_k: int | None) -> dict:
-    """The launch meta of one expert GEMM of an MoE plan (gemm 1: w13, 2: w2): its BLOCK_N{gemm}
-    and the shared BLOCK_M, BLOCK_K, num_warps, num_stages unless the plan overrides them per GEMM
-    (num_warps2, ...). Raises ValueError for a plan without the GEMM's N tile or with a BLOCK_K
-    that does not divide the weight's K block."""
-    if f"BLOCK_N{gemm}" not in cfg:
-        raise ValueError(f"fp8 MoE plan {cfg} has no BLOCK_N{gemm}: it needs BLOCK_N1 (w13) and BLOCK_N2 (w2)")
-    meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg[f"BLOCK_N{gemm}"],
-                **{key: cfg.get(f"{key}{gemm}", cfg[key]) for key in ("BLOCK_K", "num_warps", "num_stages")})
-    if block_k is not None and block_k % meta["BLOCK_K"]:
-        raise ValueError(f"fp8 MoE plan {cfg}: BLOCK_K {meta['BLOCK_K']} must divide the weight's K block {block_k}")
-    return meta
 
 
 def _grouped(a, a_s, w, w_s, out, grouping, block, top_k, meta, gather, gated, scatter, topk_w):

@@ -236,6 +236,20 @@ def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     return cfg
 
 
+def moe_gemm_meta(cfg: dict, gemm: int, block_k: int | None) -> dict:
+    """The launch meta of one expert GEMM of an MoE plan, bf16 or fp8 (gemm 1: w13, 2: w2): its
+    BLOCK_N{gemm} and the shared BLOCK_M, BLOCK_K, num_warps, num_stages unless the plan overrides them per GEMM
+    (num_warps2, ...). Raises ValueError for a plan without the GEMM's N tile or with a BLOCK_K
+    that does not divide the weight's K block."""
+    if f"BLOCK_N{gemm}" not in cfg:
+        raise ValueError(f"MoE plan {cfg} has no BLOCK_N{gemm}: it needs BLOCK_N1 (w13) and BLOCK_N2 (w2)")
+    meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg[f"BLOCK_N{gemm}"],
+                **{key: cfg.get(f"{key}{gemm}", cfg[key]) for key in ("BLOCK_K", "num_warps", "num_stages")})
+    if block_k is not None and block_k % meta["BLOCK_K"]:
+        raise ValueError(f"MoE plan {cfg}: BLOCK_K {meta['BLOCK_K']} must divide the weight's K block {block_k}")
+    return meta
+
+
 def fused_experts_triton(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, pdl: bool = True,
@@ -291,9 +305,7 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
     block_m = cfg["BLOCK_M"]
 
     # the two GEMMs may be tuned apart: BLOCK_K2, num_warps2, ... override the shared keys
-    meta1, meta2 = (dict(BLOCK_M=block_m, TOP_K=top_k, BLOCK_N=cfg[f"BLOCK_N{i}"],
-                         **{key: cfg.get(f"{key}{i}", cfg[key]) for key in ("BLOCK_K", "num_warps", "num_stages")})
-                    for i in (1, 2))
+    meta1, meta2 = (dict(moe_gemm_meta(cfg, i, None), TOP_K=top_k) for i in (1, 2))
 
     pairs = cfg.get("PAIRS", num_pairs <= _PAIR_BLOCKS)
     if router is not None and not pairs:
