@@ -86,13 +86,18 @@ def start_deployment(model_dir, log_dir, mode: str, num_prefill: int = 1, num_de
                                                   "--kv-transfer-config", KV_CONFIG, "--kv-transport", transport,
                                                   *ENGINE_ARGS, *extra_args],
                                   log_dir))
-    for p in instances:
-        p.wait_healthy()
-    router.wait_healthy(60)
-    deadline = time.monotonic() + 30
-    while len(httpx.get(f"{router.url}/instances").json().get("instances", [])) < len(instances):
-        assert time.monotonic() < deadline, httpx.get(f"{router.url}/instances").text
-        time.sleep(0.3)
+    try:
+        for p in instances:
+            p.wait_healthy()
+        router.wait_healthy(60)
+        deadline = time.monotonic() + 30
+        while len(httpx.get(f"{router.url}/instances").json().get("instances", [])) < len(instances):
+            assert time.monotonic() < deadline, httpx.get(f"{router.url}/instances").text
+            time.sleep(0.3)
+    except BaseException:  # one part failed to start: stop the others, not left running after the test
+        for p in [router, *instances]:
+            p.stop()
+        raise
     return router, instances
 
 
