@@ -2,6 +2,11 @@ import pytest
 import torch
 
 
+def pytest_addoption(parser):
+    parser.addoption("--eval-device", choices=("cpu", "cuda"), default="cpu",
+                     help="where the accuracy evals (-m eval) serve the model: cpu (float32) or cuda (bfloat16)")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -1,10 +1,13 @@
 """PD on one GPU (prefill and decode instances both on cuda:0, `--kv-transport ipc`; and `nixl`,
-VRAM over UCX, with the default model when its extra is installed) against a collocated server
-with the same flags, one request at a time (equal batch composition).
+VRAM over UCX, with the default model when its extra is installed), and across two GPUs (decode on
+cuda:1) where there are two, against a collocated server with the same flags, one request at a
+time (equal batch composition).
 Reference: the collocated server's top_logprobs, compared with float equality (bf16 model).
 
 Models: the embedded default model, and a dummy Llama-3-8B-shaped model (`--load-format dummy`:
-both instances draw the same weights from the same --seed on the same device)."""
+both instances draw the same weights from the same --seed on the same device). Chunked cases set a
+step budget under the longer prompts (`--max-num-batched-tokens`), on collocated and PD alike, so
+those prompts are prefilled in several chunks (and, in write mode, pushed chunk by chunk)."""
 import importlib.util
 import subprocess
 import sys
@@ -12,7 +15,9 @@ import time
 
 import httpx
 import pytest
+import torch
 
+from tests.ports import free_port_range
 from tests.server.conftest import ServerProcess
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -20,6 +25,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 KV_BYTES = "4000000000"  # per instance, so that collocated or prefill + decode fit on one GPU
 LENGTHS = [50, 300, 700, 950, 2000]
 NIXL = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="the nixl extra is not installed")
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 
 def prompt(n: int, salt: int, vocab: int) -> list[int]:
@@ -32,10 +38,19 @@ def ask(url: str, body: dict) -> dict:
     return r.json()
 
 
+def exit_report(p: ServerProcess) -> str:
+    """Why a server tree exited: its log's ERROR lines and last traceback (another process's lines
+    can bury them in the tail), then the tail."""
+    log = p.read_log()
+    errors = [line for line in log.splitlines() if " ERROR " in line or "Error: " in line]
+    traceback = log[log.rfind("Traceback"):][:3000] if "Traceback" in log else ""
+    return "\n".join(errors[-20:]) + "\n" + traceback + "\n...\n" + log[-2000:]
+
+
 def wait_serving(p: ServerProcess, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert p.proc.poll() is None, p.read_log()[-4000:]
+        assert p.proc.poll() is None, exit_report(p)
         try:
             if httpx.post(f"{p.url}/v1/completions", json={"model": "default", "prompt": [5, 6, 7], "max_tokens": 2},
                           timeout=60).status_code == 200:
@@ -67,11 +82,16 @@ def dummy_8b(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("model,transport", [("default", "ipc"), ("llama3-8b", "ipc"),
-                                             pytest.param("default", "nixl", marks=NIXL)])
-def test_pd_on_one_gpu_is_bitwise_collocated(model, transport, dummy_8b, tmp_path):
+@pytest.mark.parametrize("model,transport,step_budget,decode_gpu", [
+    ("default", "ipc", None, 0), ("default", "ipc", 256, 0), ("llama3-8b", "ipc", None, 0),
+    ("llama3-8b", "ipc", 512, 0), pytest.param("default", "nixl", None, 0, marks=NIXL),
+    pytest.param("llama3-8b", "ipc", 512, 1, marks=TWO_GPUS),
+    pytest.param("default", "nixl", 256, 1, marks=[NIXL, TWO_GPUS])])
+def test_pd_is_bitwise_collocated(model, transport, step_budget, decode_gpu, dummy_8b, tmp_path):
     # compile-ahead changes no numbers, only start-up time: five engines start here, so it is off
     args = ["--served-model-name", "default", "--kv-cache-memory-bytes", KV_BYTES, "--no-compile-ahead"]
+    if step_budget:  # prompts longer than this take several prefill steps
+        args += ["--max-num-batched-tokens", str(step_budget)]
     if model != "default":
         args += ["--model", str(dummy_8b), "--load-format", "dummy", "--max-model-len", "4096"]
     vocab, max_len = (32000, 4096) if model != "default" else (4096, 1024)  # (default model: config.json)
@@ -82,13 +102,15 @@ def test_pd_on_one_gpu_is_bitwise_collocated(model, transport, dummy_8b, tmp_pat
     finally:
         colloc.stop()
     for mode in ("read", "write"):
+        # registry + two instances of HTTP, KV handshake, KV data: a block of its own, not the default 30001
         pd = ServerProcess(tmp_path / f"pd-{mode}.log", ["--role", "disagg", "--prefill-gpus", "0", "--decode-gpus",
-                                                         "0", "--kv-transport", transport, "--kv-mode", mode, *args])
+                                                         str(decode_gpu), "--kv-transport", transport, "--kv-mode",
+                                                         mode, "--base-port", str(free_port_range(7)), *args])
         try:
             wait_serving(pd)
             got = run_cases(pd.url, vocab, max_len)
         finally:
             pd.stop()
         for g, e in zip(got, expected):
-            assert g == e, (f"{model}, {transport}, {mode} mode, prompt of {e[0]} tokens, {e[1]}: "
-                            "PD differs from collocated")
+            assert g == e, (f"{model}, {transport}, {mode} mode, step budget {step_budget}, decode on {decode_gpu}, "
+                            f"prompt of {e[0]} tokens, {e[1]}: PD differs from collocated")
