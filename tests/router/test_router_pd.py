@@ -111,6 +111,10 @@ def test_read_mode_prefill_error_goes_to_client_and_decode_is_not_called(pd_rout
 @pytest.mark.parametrize("pd_router", ["read", "write"], indirect=True)
 def test_upstream_4xx_passes_through_unchanged(pd_router):
     pd_router.prefill.fail_status = 422
+    # A real write-mode decode shows output only after prefill pushed the KV and the first token, which
+    # a failing prefill never does; the fake answers at once unless delayed, and the router relays output
+    # that comes before prefill's answer (test_router_write_relay covers that order).
+    pd_router.decode.delay_s = 0.5
     resp = pd_router.client.post("/v1/completions", json=COMPLETION)
     assert resp.status_code == 422
     assert resp.json() == {"error": {"message": "p0 fails on purpose", "type": "server_error",
