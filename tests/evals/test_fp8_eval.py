@@ -55,7 +55,7 @@ def gsm8k_ll_accuracy(extra: list[str], limit: int | None, tmp: Path) -> float:
     return out["results"][TASK][METRIC]
 
 
-@pytest.mark.eval  # hours on CPU: run by hand (README), not in the default test command
+@pytest.mark.eval  # ~20 min on 2 CPU cores (4 on a GPU): run by hand (README), not in the default test command
 @pytest.mark.timeout(7200)  # two servers over the task on CPU
 @pytest.mark.parametrize("limit,tol", [pytest.param(None, ACC_TOL, id="full"), pytest.param(40, 0.05, id="subset40")])
 def test_fp8_gsm8k_loglikelihood_close_to_unquantized(tmp_path, limit, tol, device_flags):
