@@ -233,6 +233,74 @@ def cold_sweep_rows(rows_list=(1,), layouts=("block",)) -> list[dict]:
     return rows
 
 
+def _w8a16_candidates(k: int, block_k) -> list[dict]:
+    """W8A16 plans (kernels/triton/linear.py with fp8 weights): strip width x split x warps x
+    K tile (within the K block when block-scaled)."""
+    bks = (64, 128) if block_k else (128, 256)
+    out = []
+    for bn, split, warps, bk in itertools.product((16, 32, 64), (1, 2, 4, 8), (2, 4), bks):
+        if k % (split * bk) == 0 and k // split >= 2 * bk:
+            out.append(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=4))
+    return out
+
+
+def w8a16_sweep_rows(rows_list=(1,), layouts=("block",)) -> list[dict]:
+    """The W8A16 decode path (fp8 weights read into the bf16 skinny GEMM, no activation
+    quantization) on cold weights, as cold_sweep_rows times the W8A8 plans: its rule
+    (w8a16_config) and every candidate, each checked against fp8_linear_w8a16_ref; beside them
+    the W8A8 plan the FP8 GEMM picks and the bf16 skinny GEMM (twice the bytes), in the same run."""
+    from benchmarks.profile_decode import _in_graph_us
+    from benchmarks.roofline import copy_bandwidth
+    from tandem.kernels.fp8 import fp8_linear_w8a16_ref
+    from tandem.kernels.linear import linear
+    from tandem.kernels.triton.fp8 import fp8_linear_triton
+    from tandem.kernels.triton.linear import num_sms, skinny_linear_triton, w8a16_config
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + written)", flush=True)
+    rows, best = [], []
+    for m in rows_list:
+        for n, k in SHAPES + SHAPES_30B:
+            for layout in layouts:
+                block = (128, 128) if layout == "block" else None
+                x, wq, ws = _operands(m, n, k, block)
+                nbytes = wq.numel() + ws.numel() * 4
+                copies = max(2, -(-256 * 2**20 // nbytes))
+                wqs = [wq] + [wq.clone() for _ in range(copies - 1)]
+                calls = min(copies, 16)
+                w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(-(-copies // 2))]
+                bf16_us = _in_graph_us(lambda i: linear(x, w16[i]), len(w16), min(len(w16), 16))
+                w8a8_us = _in_graph_us(lambda i: fp8_linear_triton(x, wqs[i], ws, block), copies, calls)
+                of = lambda us, b=nbytes: b / (us * 1e-6) / bw  # noqa: E731
+                print(f"{m}x{n}x{k} {layout}: bf16 skinny {bf16_us:.1f} us ({of(bf16_us, 2 * n * k):.0%} of copy bw), "
+                      f"W8A8 {w8a8_us:.1f} us ({of(w8a8_us):.0%})", flush=True)
+                rows.append(dict(model="fp8-gemm-cold", what=f"{m}x{n}x{k} {layout}", bf16_us=bf16_us,
+                                 w8a8_us=w8a8_us))
+                ref = fp8_linear_w8a16_ref(x, wq, ws, block).float()
+                rule = w8a16_config(n, k, block[1] if block else None, num_sms(x.device))
+                timed = []
+                for cand in [rule] + _w8a16_candidates(k, block[1] if block else None):
+                    us = _timed_if_right(
+                        f"w8a16 {m}x{n}x{k}", cand, lambda: skinny_linear_triton(x, wq, cand, w_scale=ws, block=block),
+                        ref, lambda: _in_graph_us(
+                            lambda i: skinny_linear_triton(x, wqs[i], cand, w_scale=ws, block=block), copies, calls))
+                    if us is None:
+                        continue
+                    timed.append((us, cand))
+                    rows.append(dict(model="w8a16-cold", what=f"{m}x{n}x{k} {layout}", us=us, of_floor=of(us),
+                                     plan=cand, rule=cand is rule))
+                us_rule = timed[0][0] if timed and timed[0][1] is rule else float("nan")
+                us, cand = min(timed, key=lambda t: t[0])
+                line = (f"    {(n, k, block[1] if block else None)}: {cand},  # {us:.1f} us, {of(us):.0%} of copy bw; "
+                        f"rule {us_rule:.1f}, W8A8 {w8a8_us:.1f}, bf16 {bf16_us:.1f}")
+                print(line, flush=True)
+                best.append(line)
+                del wqs, w16
+                torch.cuda.empty_cache()
+    print("best W8A16 plan per shape (linear.W8A16_PLANS entries):")
+    print("\n".join(best))
+    return rows
+
+
 if __name__ == "__main__":
     import argparse
     import json
@@ -241,9 +309,11 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="the decode-tile plan sweep on cold weights (cold_sweep_rows)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1])
     ap.add_argument("--layouts", nargs="+", choices=["block", "channel"], default=["block"])
+    ap.add_argument("--w8a16", action="store_true", help="sweep the W8A16 decode path instead (w8a16_sweep_rows)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    result = cold_sweep_rows(tuple(args.rows), tuple(args.layouts))
+    sweep = w8a16_sweep_rows if args.w8a16 else cold_sweep_rows
+    result = sweep(tuple(args.rows), tuple(args.layouts))
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
                                                   rows=result), indent=1))

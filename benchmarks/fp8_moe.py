@@ -86,31 +86,42 @@ def plan_text(plan: dict) -> str:
 
 
 def measure(tokens: int, layout: str, shape: dict, weights: dict, timer, bw: float,
-            cands: list[tuple[int, int, int]] | None = None, act_dtype: torch.dtype = torch.bfloat16) -> dict:
+            cands: list[tuple[int, int, int]] | None = None, act_dtype: torch.dtype = torch.bfloat16,
+            w8a16: bool = False) -> dict:
     """One token count and layout: the current plan, the one-GEMM-at-a-time sweep (module docstring)
     and the bf16 experts, each checked against its reference first. timer(run) -> microseconds of
     run(i), i the weight copy; bw: copy bandwidth (bytes/s) for the floor. Returns the summary with
-    every plan's row under "rows" (us None: reported, not timed)."""
+    every plan's row under "rows" (us None: reported, not timed). w8a16: the plans are the bf16
+    experts' reading the fp8 weights (kernels/triton/moe.py with scales), checked against the bf16
+    reference on the dequantized weights."""
     from tandem.kernels.fp8 import fused_experts_fp8_ref
     from tandem.kernels.moe import fused_experts_ref
     from tandem.kernels.triton.fp8 import fused_experts_fp8_triton, moe_config
-    from tandem.kernels.triton.moe import fused_experts_triton
+    from tandem.kernels.triton.moe import _config, _fused_experts, fused_experts_triton
     block = (128, 128) if layout == "block" else None
     device = weights["s13"].device
     x, tw, ids = routing(tokens, shape, device.type, act_dtype)
     q13s, s13, q2s, s2 = weights["q13"], weights["s13"], weights["q2"], weights["s2"]
-    ref = fused_experts_fp8_ref(x, q13s[0], s13, q2s[0], s2, tw, ids, block).float()
-    label = f"fp8-moe T={tokens} {layout}"
+    if w8a16:
+        ref = fused_experts_ref(x, weights["w13_16"][0], weights["w2_16"][0], tw, ids).float()
+    else:
+        ref = fused_experts_fp8_ref(x, q13s[0], s13, q2s[0], s2, tw, ids, block).float()
+    label = f"{'w8a16' if w8a16 else 'fp8'}-moe T={tokens} {layout}"
     rows = []
 
     def timed(plan: dict, stage: str) -> float | None:
         def run(i: int = 0) -> torch.Tensor:
+            if w8a16:
+                return _fused_experts(x, q13s[i], q2s[i], tw, ids, cfg=plan, scales=(s13, s2, block))
             return fused_experts_fp8_triton(x, q13s[i], s13, q2s[i], s2, tw, ids, block, plan)
         us = _timed_if_right(label, plan, run, ref, lambda: timer(run))
         rows.append(dict(stage=stage, plan=plan, us=us))
         return us
 
-    current = moe_config(tokens * shape["top_k"], shape["experts"], block[1] if block else None)
+    if w8a16:
+        current = _config(tokens * shape["top_k"], shape["experts"], act_dtype, fp8_weights=True)
+    else:
+        current = moe_config(tokens * shape["top_k"], shape["experts"], block[1] if block else None)
     current_us = timed(current, "current")
     pinned = {f"{key}{g}": current[key] for key in ("num_warps", "num_stages") for g in (1, 2)}
     best = dict(current, **pinned)
@@ -133,7 +144,8 @@ def measure(tokens: int, layout: str, shape: dict, weights: dict, timer, bw: flo
     floor_us = nbytes / bw * 1e6
     bytes16 = n_active * sum(w[0][0].numel() * w[0].element_size() for w in (weights["w13_16"], weights["w2_16"]))
     pct = lambda us, floor=floor_us: floor / us if us else None  # noqa: E731
-    return dict(model="fp8-moe", layout=layout, tokens=tokens, active_experts=n_active, bytes=nbytes,
+    return dict(model="w8a16-moe" if w8a16 else "fp8-moe", layout=layout, tokens=tokens, active_experts=n_active,
+                bytes=nbytes,
                 floor_us=floor_us, current_plan=current, current_us=current_us, current_of_floor=pct(current_us),
                 best_plan=best_row and best_row["plan"], best_us=best_row and best_row["us"],
                 best_of_floor=best_row and pct(best_row["us"]), bf16_us=bf16_us,
@@ -157,7 +169,8 @@ def table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run(tokens_list=(1, 16), layouts=("block", "channel"), shape: dict = QWEN3_30B_EXPERTS) -> dict:
+def run(tokens_list=(1, 16), layouts=("block", "channel"), shape: dict = QWEN3_30B_EXPERTS, w8a16: bool = False,
+        cands: list[tuple[int, int, int]] | None = None) -> dict:
     """The sweep on this GPU (times in microseconds per call, cold weights; module docstring)."""
     from benchmarks.profile_decode import _in_graph_us
     from benchmarks.roofline import copy_bandwidth
@@ -172,7 +185,8 @@ def run(tokens_list=(1, 16), layouts=("block", "channel"), shape: dict = QWEN3_3
             copies = min(8, max(4, math.ceil(4 * l2 / nbytes)))  # each copy leaves L2 before its next turn
             add_copies(weights, copies)
             t0 = time.perf_counter()
-            s = measure(tokens, layout, shape, weights, lambda fn, c=copies: _in_graph_us(fn, c, 2 * c), bw)
+            s = measure(tokens, layout, shape, weights, lambda fn, c=copies: _in_graph_us(fn, c, 2 * c), bw, cands,
+                        w8a16=w8a16)
             s.update(copies=copies, seconds=time.perf_counter() - t0)
             summaries.append(s)
             print(table([s]).splitlines()[1], f"({s['seconds']:.0f} s)", flush=True)
@@ -191,8 +205,12 @@ if __name__ == "__main__":
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16], help="token counts (decode batch) to sweep")
     ap.add_argument("--layouts", nargs="+", choices=["block", "channel"], default=["block", "channel"],
                     help="weight scales: block [128, 128] and/or per-channel")
+    ap.add_argument("--w8a16", action="store_true",
+                    help="sweep the W8A16 decode path (the bf16 expert kernels reading the fp8 weights)")
+    ap.add_argument("--stages", type=int, nargs="+", default=list(STAGES), help="num_stages candidates")
     ap.add_argument("--out", default=None, help="write the summaries and every plan's row as JSON here")
     args = ap.parse_args()
-    result = run(tuple(args.tokens), tuple(args.layouts))
+    result = run(tuple(args.tokens), tuple(args.layouts), w8a16=args.w8a16,
+                 cands=gemm_candidates(stages=tuple(args.stages)))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

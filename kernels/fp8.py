@@ -16,7 +16,7 @@ import torch
 from tandem.kernels.activation import silu_and_mul_ref
 from tandem.kernels.backend import use_triton
 from tandem.kernels.config import DEFAULT_KERNELS, KernelConfig
-from tandem.kernels.linear import PendingNorm, can_pend
+from tandem.kernels.linear import PendingNorm, decode_rows, can_pend
 
 E4M3 = torch.float8_e4m3fn
 
@@ -103,11 +103,37 @@ def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bloc
     return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
 
 
+def fp8_linear_w8a16_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The W8A16 decode path's contract (KernelConfig.fp8_dense_w8a16): x unquantized times the
+    dequantized weight, in float32 -> [..., N] in x.dtype. Shapes as fp8_linear_ref."""
+    y = x.float() @ dequantize_weight(w, w_scale, block).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def fp8_decode_rows(x: torch.Tensor, config: KernelConfig = DEFAULT_KERNELS, moe: bool = False) -> int:
+    """x's row count where the decode path reads fp8 weights into the bf16 decode kernels (W8A16:
+    a GPU with FP8, <= 16 rows of bf16/fp16; the routed MoE experts with config.fp8_moe_w8a16, the
+    skinny GEMM with config.fp8_dense_w8a16), else 0."""
+    if not ((config.fp8_moe_w8a16 if moe else config.fp8_dense_w8a16) and has_fp8_compute(x.device)):
+        return 0
+    return decode_rows(x, config)
+
+
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
                bias: torch.Tensor | None = None, config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """fp8_linear_ref's contract; the Triton FP8 GEMM on GPUs with FP8 (config.pdl: the decode tile
     launched with PDL), else the reference (a GPU without FP8 runs the reference too: dequantize
-    then matmul)."""
+    then matmul). At decode sizes with config.fp8_dense_w8a16: fp8_linear_w8a16_ref's contract, on
+    the bf16 skinny GEMM reading the fp8 weight."""
+    rows = fp8_decode_rows(x, config)
+    if rows:
+        from tandem.kernels.triton.linear import skinny_linear_triton
+        y = skinny_linear_triton(x.reshape(rows, x.shape[-1]), w, pdl=config.pdl, w_scale=w_scale,
+                                 block=block).view(*x.shape[:-1], w.shape[0])
+        return y if bias is None else y + bias
     if use_triton(x) and has_fp8_compute(x.device):
         from tandem.kernels.triton.fp8 import fp8_linear_triton
         y = fp8_linear_triton(x.reshape(-1, x.shape[-1]), w, w_scale, block, pdl=config.pdl).view(
@@ -133,6 +159,11 @@ def fp8_linear_add_norm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     apply. x: [T, K]; w: [N, K] fp8; residual: [T, N]; norm_weight: [N]."""
     if not (_decode_tile(x, block, config) and norm_weight.dtype == residual.dtype == x.dtype):
         return None
+    if fp8_decode_rows(x, config):
+        from tandem.kernels.triton.linear import skinny_linear_add_norm_triton
+        s, sg, ss = skinny_linear_add_norm_triton(x, w, residual, norm_weight, pdl=config.pdl, w_scale=w_scale,
+                                                  block=block)
+        return PendingNorm(s, sg, ss, norm_weight, eps)
     from tandem.kernels.triton.fp8_skinny import fp8_skinny_add_norm_triton
     s, sg, ss = fp8_skinny_add_norm_triton(x, w, w_scale, block, residual, norm_weight, pdl=config.pdl)
     return PendingNorm(s, sg, ss, norm_weight, eps)
@@ -144,8 +175,12 @@ def fp8_linear_normed(p: PendingNorm, w: torch.Tensor, w_scale: torch.Tensor, bl
     row's 1/rms (no norm launch), else the norm then fp8_linear."""
     if not (_decode_tile(p.sg, block, config) and p.ss.shape[0] == 16):
         return fp8_linear(p.normed(config), w, w_scale, block, bias, config)
-    from tandem.kernels.triton.fp8_skinny import fp8_skinny_normed_triton
-    y = fp8_skinny_normed_triton(p.sg, w, w_scale, block, p.ss, p.eps, pdl=config.pdl)
+    if fp8_decode_rows(p.sg, config):
+        from tandem.kernels.triton.linear import skinny_linear_normed_triton
+        y = skinny_linear_normed_triton(p.sg, w, p.ss, p.eps, pdl=config.pdl, w_scale=w_scale, block=block)
+    else:
+        from tandem.kernels.triton.fp8_skinny import fp8_skinny_normed_triton
+        y = fp8_skinny_normed_triton(p.sg, w, w_scale, block, p.ss, p.eps, pdl=config.pdl)
     return y if bias is None else y + bias
 
 

@@ -11,7 +11,7 @@ from tandem.kernels.config import DEFAULT_KERNELS, KernelConfig
 from tandem.kernels.norm import rms_norm
 
 
-def _decode_rows(x: torch.Tensor, config: KernelConfig) -> int:
+def decode_rows(x: torch.Tensor, config: KernelConfig) -> int:
     """x's row count where the Triton GEMM takes x as its input (config.skinny_gemm, a GPU, <= 16
     rows of bf16/fp16), else 0."""
     if not (config.skinny_gemm and use_triton(x) and x.dtype in (torch.bfloat16, torch.float16)):
@@ -23,7 +23,7 @@ def _decode_rows(x: torch.Tensor, config: KernelConfig) -> int:
 
 def _skinny_rows(x: torch.Tensor, weight: torch.Tensor, config: KernelConfig) -> int:
     """x's row count where the Triton GEMM takes this matmul, else 0."""
-    return _decode_rows(x, config) if weight.dtype == x.dtype else 0
+    return decode_rows(x, config) if weight.dtype == x.dtype else 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -81,4 +81,4 @@ def linear_normed(p: PendingNorm, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def can_pend(x: torch.Tensor, config: KernelConfig = DEFAULT_KERNELS) -> bool:
     """Whether kernels on x's rows may leave an RMSNorm pending (config.fuse_norms, a GPU, decode sizes)."""
-    return config.fuse_norms and x.dim() == 2 and _decode_rows(x, config) > 0
+    return config.fuse_norms and x.dim() == 2 and decode_rows(x, config) > 0

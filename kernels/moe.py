@@ -66,16 +66,22 @@ def routed_experts(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
     renormalize: bool, scoring: str = "softmax", norm_in: tuple[torch.Tensor, float] | None = None,
     norm_out: tuple[torch.Tensor, torch.Tensor] | None = None, config: KernelConfig = DEFAULT_KERNELS,
+    scales: tuple | None = None,
 ):
     """topk_routing then fused_experts, every expert held here (no expert parallelism); on a GPU
     at decode sizes the routing happens inside the first expert GEMM. GPU only: norm_in = (ss,
     eps), x is a pending norm's s * weight; norm_out = (residual, norm weight), returns (s, sg,
-    ss) of the next norm left pending (kernels.linear.PendingNorm)."""
+    ss) of the next norm left pending (kernels.linear.PendingNorm). scales = (w13_scale,
+    w2_scale, block): fp8 experts (kernels/fp8.py layouts) on the same kernels, their weights
+    converted to x's dtype (W8A16); the reference multiplies the dequantized weights."""
     if use_triton(x):
         from tandem.kernels.triton.moe import routed_experts_triton
         return routed_experts_triton(x, router_logits, w13, w2, top_k, renormalize, scoring, norm_in, norm_out,
-                                     config.pdl)
+                                     config.pdl, scales)
     if norm_in is not None or norm_out is not None:
         raise ValueError("routed_experts: a pending norm needs the Triton experts")
+    if scales is not None:
+        from tandem.kernels.fp8 import dequantize_weight
+        w13, w2 = (dequantize_weight(w, s, scales[2]).to(x.dtype) for w, s in ((w13, scales[0]), (w2, scales[1])))
     weights, ids = topk_routing_ref(router_logits, top_k, renormalize, scoring)
     return fused_experts_ref(x, w13, w2, weights, ids)

@@ -22,8 +22,9 @@ from tandem.engine.layers.moe import FusedMoE
 from tandem.engine.parallel import tp_all_reduce, tp_rank, tp_size
 from tandem.engine.quantization import Fp8Scheme, fp8_scheme
 from tandem.engine.layers.norm import DeferredOutput
-from tandem.kernels.fp8 import (E4M3, e4m3fn_to_fnuz, fp8_dtype, fp8_linear, fp8_linear_add_norm, fp8_linear_normed,
-                               fused_experts_fp8, quantize_weight)
+from tandem.kernels.ep import NoDispatch
+from tandem.kernels.fp8 import (E4M3, e4m3fn_to_fnuz, fp8_decode_rows, fp8_dtype, fp8_linear, fp8_linear_add_norm,
+                               fp8_linear_normed, fused_experts_fp8, quantize_weight)
 from tandem.kernels.linear import PendingNorm
 
 logger = logging.getLogger(__name__)
@@ -201,6 +202,20 @@ class Fp8FusedMoE:
             bns = [1, 1]
         if bns:
             self.fp8_block = (bns[0], self.scheme.block[1])
+
+    def _routed_here(self, x: torch.Tensor | PendingNorm) -> bool:
+        """At decode sizes with every expert here (KernelConfig.fp8_moe_w8a16): the routed bf16 expert
+        kernels reading the fp8 weights (W8A16), routing in the first GEMM and the norms fused as
+        for bf16; else routing, then the FP8 experts."""
+        rows = x.sg if isinstance(x, PendingNorm) else x
+        block = self.fp8_block
+        k_block_ok = block is None or (block[1] >= 16 and block[1] & (block[1] - 1) == 0)  # a dot's K tile
+        return (isinstance(self.dispatcher, NoDispatch) and k_block_ok
+                and fp8_decode_rows(rows, self.kernels, moe=True) > 0)
+
+    @property
+    def _expert_scales(self) -> tuple:
+        return self.w13_scale, self.w2_scale, self.fp8_block
 
     def fp8_experts(self, x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
         return fused_experts_fp8(x, w13, self.w13_scale, w2, self.w2_scale, topk_weights, topk_ids, self.fp8_block)

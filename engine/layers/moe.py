@@ -109,7 +109,7 @@ class FusedMoE(nn.Module):
         and leave that norm pending (on a GPU at decode sizes; engine/layers/norm.py)."""
         pending = isinstance(x, PendingNorm)
         logits = self.gate(x)
-        if not (self.experts is fused_experts and isinstance(self.dispatcher, NoDispatch)):
+        if not self._routed_here(x):
             h = x.normed(self.kernels) if pending else x
             weights, ids = topk_routing(logits, self.top_k, self.renormalize, self.scoring, self.kernels)
             h, weights, ids, handle = self.dispatcher.dispatch(h, weights, ids)
@@ -120,6 +120,15 @@ class FusedMoE(nn.Module):
         return DeferredOutput(lambda: tp_all_reduce(self._routed(x, logits)),
                               lambda residual, norm: self._routed_add_norm(x, logits, residual, norm))
 
+    def _routed_here(self, x: torch.Tensor | PendingNorm) -> bool:
+        """Whether routing and experts run as one routed_experts call (every expert here, the
+        Triton experts)."""
+        return self.experts is fused_experts and isinstance(self.dispatcher, NoDispatch)
+
+    @property
+    def _expert_scales(self) -> tuple | None:
+        return None
+
     @property
     def _experts_args(self) -> dict:
         return dict(config=self.kernels) if self.experts is fused_experts else {}
@@ -127,7 +136,8 @@ class FusedMoE(nn.Module):
     def _routed(self, x: torch.Tensor | PendingNorm, logits: torch.Tensor, norm_out: tuple | None = None):
         pending = isinstance(x, PendingNorm)
         return routed_experts(x.sg if pending else x, logits, self.w13, self.w2, self.top_k, self.renormalize,
-                              self.scoring, (x.ss, x.eps) if pending else None, norm_out, self.kernels)
+                              self.scoring, (x.ss, x.eps) if pending else None, norm_out, self.kernels,
+                              self._expert_scales)
 
     def _routed_add_norm(self, x: torch.Tensor | PendingNorm, logits: torch.Tensor, residual: torch.Tensor,
                          norm: RMSNorm) -> PendingNorm | None:

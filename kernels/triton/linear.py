@@ -15,6 +15,13 @@ whose A is that sg): after the wait it sums the row's partials into rstd = rsqrt
 and scales its output by it, which commutes with the dot. No per-tile work on either side, so
 wide GEMMs pay nothing per program for it (a norm folded into the A tiles makes every program
 redo it). Rounding differs from norm-then-GEMM by about one bf16 rounding of the input.
+
+FP8 weights (W8A16; kernels/fp8.py's layouts): the weight tiles are read as fp8 and converted to
+the activations' dtype for the dot, so a decode step reads half the bytes and quantizes nothing.
+W_SCALE 1 (per channel): the sum is scaled by the column's scale at the end; 2 (block): each K
+tile (BLOCK_K divides the K block) is scaled on the accumulator by its columns' block scales.
+FAST_CVT (CUDA, bf16 activations, e4m3): the conversion is integer ops (e4m3_to_bf16_scaled)
+instead of the cvt instructions, whose throughput kept the W8A16 GEMM below the HBM rate.
 """
 import torch
 import triton
@@ -38,6 +45,52 @@ def _x_tile(x_ptrs, k_left, m_mask, rk, EVEN: tl.constexpr):
     if EVEN:
         return tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
     return tl.load(x_ptrs, mask=m_mask[:, None] & (rk < k_left)[None, :], other=0.0)
+
+
+E4M3_BF16_UNIT = tl.constexpr(2.0 ** 120)  # e4m3_to_bf16_scaled's tiles hold w / E4M3_BF16_UNIT
+
+
+def fast_cvt(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the W8A16 kernels convert w with e4m3_to_bf16_scaled (CUDA PTX; bf16 x, e4m3fn w)."""
+    return (x.is_cuda and torch.version.cuda is not None and x.dtype == torch.bfloat16
+            and w.dtype == torch.float8_e4m3fn)
+
+
+@triton.jit
+def e4m3_to_bf16_scaled(w):
+    """An e4m3 tile as bf16 holding w * 2^-120, in integer ops (per 4 values: two byte permutes,
+    then and-shift-or twice) where cvt (e4m3 -> f16 -> bf16) runs on the slow conversion units:
+    e4m3's sign, 4 exponent and 3 mantissa bits placed into bf16's sign, low exponent and high
+    mantissa bits read as the value times 2^(7 - 127), subnormals as subnormals."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 z, a, b, t;
+        mov.b32 z, 0;
+        prmt.b32 a, $2, z, 0x1404;
+        prmt.b32 b, $2, z, 0x3424;
+        and.b32 t, a, 0x7F007F00;
+        shr.b32 t, t, 4;
+        lop3.b32 $0, a, 0x80008000, t, 0xea;
+        and.b32 t, b, 0x7F007F00;
+        shr.b32 t, t, 4;
+        lop3.b32 $1, b, 0x80008000, t, 0xea;
+        }""",
+        constraints="=r,=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def dot_w(acc, a, w, ws_ptrs, k0, K, k_per_scale, n_mask, W_SCALE: tl.constexpr, FAST_CVT: tl.constexpr = False):
+    """acc + a @ w for a weight tile w [BK, BN] in a's dtype or fp8 (converted to a's dtype): with
+    W_SCALE 2 times the scales of its K block (k0 // k_per_scale, kept inside the grid for a split
+    past K, whose tiles are zeros) at ws_ptrs [BN] (the columns' rows of the scale grid); W_SCALE
+    0 / 1 unscaled (per-channel: the caller scales the sum). FAST_CVT: w converted by
+    e4m3_to_bf16_scaled, so acc is in units of 1 / E4M3_BF16_UNIT (the caller scales it back)."""
+    wa = e4m3_to_bf16_scaled(w) if FAST_CVT else w.to(a.dtype)
+    if W_SCALE == 2:
+        kb = tl.minimum(k0, K - 1) // k_per_scale
+        s = tl.load(ws_ptrs + kb, mask=n_mask, other=0.0)
+        return acc + tl.dot(a, wa) * s[None, :]
+    return tl.dot(a, wa, acc)
 
 
 @triton.jit
@@ -81,15 +134,17 @@ def _write_out(out_ptrs, acc, out_mask, rm, n_mask, pid_n, r, g, sg_ptrs, ss_ptr
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     res_ptr, g_ptr, sg_ptr, ss_ptr, ss_in_ptr, in_strips, eps, stride_rm, stride_gm,
+    ws_ptr, stride_wsn, rows_per_scale, k_per_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, PRELOAD: tl.constexpr, NORM_OUT: tl.constexpr, NORM_IN: tl.constexpr,
-    S_PAD: tl.constexpr, PDL: tl.constexpr,
+    S_PAD: tl.constexpr, W_SCALE: tl.constexpr, FAST_CVT: tl.constexpr, PDL: tl.constexpr,
 ):
     """PRELOAD: the first weight tile is loaded before waiting for the kernel ahead (PDL): it does
     not depend on it, and the kernel ahead (a norm, the attention merge) leaves HBM idle
     meanwhile. (Two tiles measured slower.)
     NORM_OUT / NORM_IN (ss_in_ptr [rows, in_strips] partials, S_PAD >= in_strips): see the module
-    docstring."""
+    docstring. W_SCALE: fp8 weights with scales ws [N / rows_per_scale] (1) or [N / rows_per_scale,
+    K / k_per_scale] (2), module docstring."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -102,6 +157,7 @@ def _skinny_gemm_kernel(
     k_hi = tl.minimum(K, k_lo + k_per)
     x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
+    ws_ptrs = ws_ptr + (rn // rows_per_scale).to(tl.int64) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k = k_lo
     if PRELOAD:
@@ -118,15 +174,20 @@ def _skinny_gemm_kernel(
         rstd = pending_rstd(ss_in_ptr, rm, m_mask, in_strips, K, eps, S_PAD)
     if PRELOAD:
         a = _x_tile(x_ptrs, k_hi - k, m_mask, rk, False)
-        acc = tl.dot(a, w0, acc)
+        acc = dot_w(acc, a, w0, ws_ptrs, k, K, k_per_scale, n_mask, W_SCALE, FAST_CVT)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         k += BLOCK_K
     for k0 in range(k, k_hi, BLOCK_K):
         a = _x_tile(x_ptrs, k_hi - k0, m_mask, rk, EVEN_K)
-        acc = tl.dot(a, _weight_tile(w_ptrs, k_hi - k0, n_mask, rk, EVEN_K), acc)
+        acc = dot_w(acc, a, _weight_tile(w_ptrs, k_hi - k0, n_mask, rk, EVEN_K), ws_ptrs, k0, K, k_per_scale,
+                    n_mask, W_SCALE, FAST_CVT)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if FAST_CVT:
+        acc *= E4M3_BF16_UNIT
+    if W_SCALE == 1:
+        acc *= tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
     out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
     sg_ptrs = sg_ptr + rm[:, None] * stride_gm + rn[None, :]
     strips = tl.num_programs(0)
@@ -161,47 +222,103 @@ def _config(n: int, k: int, sms: int) -> dict:
     return dict(BLOCK_N=16, BLOCK_K=256 if k // split >= 2048 else 128, SPLIT_K=split, num_warps=2, num_stages=4)
 
 
+# Measured W8A16 plans: (N, K, the weight's K block or None per-channel) -> plan, the best of
+# `python -m benchmarks.fp8_gemm --w8a16 --rows 1` (cold weights; H200, 2026-11-27) where it beat
+# w8a16_config by >= 3%; the comments: us per call, that plan / the rule.
+W8A16_PLANS: dict[tuple[int, int, int | None], dict] = {
+    (6144, 4096, 128): dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=4),  # 12.2/13.0
+    (28672, 4096, 128): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=4),  # 40.3/43.8
+    (4096, 14336, 128): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=4),  # 21.6/22.5
+    (5120, 2048, 128): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=8, num_warps=2, num_stages=4),  # 7.0/8.1
+}
+
+
+def w8a16_config(n: int, k: int, block_k: int | None, sms: int) -> dict:
+    """The plan for fp8 weights: the bf16 rule's grid with strips twice as wide (each program's
+    tiles then hold as many bytes as the bf16 GEMM's), BLOCK_K within the K block."""
+    got = W8A16_PLANS.get((n, k, block_k))
+    if got:
+        return dict(got)
+    strips = triton.cdiv(n, 32)
+    split = 1
+    while strips * split < 2 * sms and k // (2 * split) >= 256 and split < 16:
+        split *= 2
+    bk = 256 if k // split >= 2048 else 128
+    return dict(BLOCK_N=32, BLOCK_K=min(bk, block_k) if block_k else bk, SPLIT_K=split, num_warps=2, num_stages=4)
+
+
+def w8a16_plans(shapes: list[tuple[int, int]], block_k: int | None, sms: int = 132) -> list[dict]:
+    """Every distinct W8A16 plan the weights [N, K] in `shapes` take (the sm_90 compile test)."""
+    out = []
+    for n, k in shapes:
+        p = w8a16_config(n, k, block_k, sms)
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def _fp8_meta(weight: torch.Tensor, w_scale: torch.Tensor | None, block: tuple[int, int] | None) -> tuple:
+    """(ws, stride, rows_per_scale, k_per_scale, W_SCALE) of a weight: fp8 with its scales
+    (kernels/fp8.py layouts) or unscaled (W_SCALE 0, placeholders)."""
+    if w_scale is None:
+        return weight, 0, 1, 1, 0
+    w_scale = w_scale.contiguous()
+    if block is None:
+        return w_scale, 1, 1, 1, 1
+    return w_scale, w_scale.stride(0), block[0], block[1], 2
+
+
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, cfg: dict | None = None,
-                         pdl: bool = True) -> torch.Tensor:
+                         pdl: bool = True, w_scale: torch.Tensor | None = None,
+                         block: tuple[int, int] | None = None) -> torch.Tensor:
     """x: [M, K] with M <= MAX_ROWS; weight: [N, K] -> x @ weight.T, [M, N] in x.dtype. cfg: a tile
-    plan (benchmark sweeps; PRELOAD=False keeps the first weight tile behind the PDL wait)."""
-    return _launch(x, weight, cfg, pdl)[0]
+    plan (benchmark sweeps; PRELOAD=False keeps the first weight tile behind the PDL wait).
+    w_scale: the weight is fp8 with these scales (kernels/fp8.py layouts, `block`): W8A16."""
+    return _launch(x, weight, cfg, pdl, w8=(w_scale, block))[0]
 
 
 def skinny_linear_add_norm_triton(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-    cfg: dict | None = None, pdl: bool = True,
+    cfg: dict | None = None, pdl: bool = True, w_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The GEMM ahead of an RMSNorm (NORM_OUT): x: [M, K]; weight: [N, K]; residual: [M, N];
     norm_weight: [N] -> (s = x @ weight.T + residual, sg = s * norm_weight, ss [MAX_ROWS, strips]
-    float32: each strip's sums of squares of s's rows)."""
+    float32: each strip's sums of squares of s's rows). w_scale, block: as skinny_linear_triton."""
     m, n = x.shape[0], weight.shape[0]
     if residual.shape != (m, n) or norm_weight.shape != (n,):
         raise ValueError(f"skinny_linear_add_norm: output ({m}, {n}), residual {tuple(residual.shape)}, "
                          f"norm weight {tuple(norm_weight.shape)}")
-    return _launch(x, weight, cfg, pdl, norm_out=(residual, norm_weight))
+    return _launch(x, weight, cfg, pdl, norm_out=(residual, norm_weight), w8=(w_scale, block))
 
 
 def skinny_linear_normed_triton(
     sg: torch.Tensor, weight: torch.Tensor, ss: torch.Tensor, eps: float, cfg: dict | None = None,
-    pdl: bool = True,
+    pdl: bool = True, w_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """The GEMM after (NORM_IN): sg, ss from skinny_linear_add_norm_triton -> rms_norm(s) @ weight.T
-    (sg @ weight.T times each row's rsqrt(mean(s^2) + eps))."""
+    (sg @ weight.T times each row's rsqrt(mean(s^2) + eps)). w_scale, block: as skinny_linear_triton."""
     if ss.dim() != 2 or ss.shape[0] != MAX_ROWS or ss.dtype != torch.float32:
         raise ValueError(f"skinny_linear_normed: ss {tuple(ss.shape)} {ss.dtype}, expected [{MAX_ROWS}, strips] float32")
-    return _launch(sg, weight, cfg, pdl, norm_in=(ss, eps))[0]
+    return _launch(sg, weight, cfg, pdl, norm_in=(ss, eps), w8=(w_scale, block))[0]
 
 
-def _launch(x, weight, cfg, pdl, norm_out=None, norm_in=None):
+def _launch(x, weight, cfg, pdl, norm_out=None, norm_in=None, w8=(None, None)):
     m, k = x.shape
     n = weight.shape[0]
     if m > MAX_ROWS or weight.shape[1] != k:
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} (at most {MAX_ROWS} rows), weight {tuple(weight.shape)}")
+    w_scale, block = w8
+    ws, stride_wsn, rows_per_scale, k_per_scale, w_scale_kind = _fp8_meta(weight, w_scale, block)
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    cfg = dict(cfg or _config(n, k, num_sms(x.device)))
+    if cfg is None:
+        sms = num_sms(x.device)
+        cfg = w8a16_config(n, k, block[1] if block else None, sms) if w_scale is not None else _config(n, k, sms)
+    cfg = dict(cfg)
+    if w_scale_kind == 2 and block[1] % cfg["BLOCK_K"]:
+        raise ValueError(f"skinny_linear: BLOCK_K {cfg['BLOCK_K']} must divide the weight's K block {block[1]}")
     split = cfg.pop("SPLIT_K")
     strips = triton.cdiv(n, cfg["BLOCK_N"])
     sg = torch.empty_like(out) if norm_out is not None else out
@@ -218,9 +335,10 @@ def _launch(x, weight, cfg, pdl, norm_out=None, norm_in=None):
     _skinny_gemm_kernel[(strips, split)](
         x, weight, out, part, tickets(x.device), m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         residual, norm_weight, sg, ss, ss_in, ss_in.shape[1] if norm_in is not None else 1, eps,
-        residual.stride(0), sg.stride(0),
+        residual.stride(0), sg.stride(0), ws, stride_wsn, rows_per_scale, k_per_scale,
         BLOCK_M=MAX_ROWS, SPLIT_K=split, EVEN_K=k % (split * cfg["BLOCK_K"]) == 0,
         PRELOAD=cfg.pop("PRELOAD", True), NORM_OUT=norm_out is not None, NORM_IN=norm_in is not None,
-        S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in is not None else 1, **cfg, **launch_args(x, pdl),
+        S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in is not None else 1, W_SCALE=w_scale_kind,
+        FAST_CVT=w_scale is not None and cfg.pop("FAST_CVT", fast_cvt(x, weight)), **cfg, **launch_args(x, pdl),
     )
     return out, sg, ss

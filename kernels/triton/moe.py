@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.triton.device import MAX_TICKETS, tickets
-from tandem.kernels.triton.linear import MAX_ROWS, pend_norm, pending_rstd
+from tandem.kernels.triton.linear import E4M3_BF16_UNIT, MAX_ROWS, dot_w, fast_cvt, pend_norm, pending_rstd
 from tandem.kernels.triton.moe_align import _align
 from tandem.kernels.triton.pdl import launch_args, wait_previous
 from tandem.kernels.triton.routing import check_routing, topk_of_rows, topk_routing_triton
@@ -102,15 +102,18 @@ def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, topk_w_ptr,
     N, K, stride_am, stride_we, stride_wn, stride_om, num_n_tiles, num_experts, sum_ptr, ticket_ptr,
     logits_ptr, stride_l, ss_in_ptr, in_strips, eps, res_ptr, g_ptr, sg_ptr, ss_ptr,
+    ws_ptr, stride_wse, stride_wsn, rows_per_scale, k_per_scale,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, GATED: tl.constexpr,
     PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, FUSED_SUM: tl.constexpr, K_PAD: tl.constexpr,
     ROUTE: tl.constexpr, E_PAD: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
     EARLY_EXPERT: tl.constexpr, NORM_IN: tl.constexpr, S_PAD: tl.constexpr,
-    NORM_OUT: tl.constexpr, PDL: tl.constexpr,
+    NORM_OUT: tl.constexpr, W_SCALE: tl.constexpr, FAST_CVT: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[rows] = a[rows] @ w[e].T for the BLOCK_M rows of one expert block.
 
+    W_SCALE (fp8 experts read into this bf16 kernel, W8A16; kernels/triton/linear.py dot_w): 1 per
+    channel, ws [E, N_w]; 2 block-scaled, ws [E, N_w / rows_per_scale, K / k_per_scale].
     GATHER_A: a row is x[pair // TOP_K] (first GEMM) instead of the block's own row (second).
     GATED: w[e] is [2N, K] as [gate | up]; the program writes silu(a @ gate.T) * (a @ up.T).
     SCATTER_OUT: row goes to out[pair] scaled by topk_w[pair], else to the block's own row.
@@ -178,6 +181,9 @@ def _grouped_gemm_kernel(
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_row[:, None] * stride_am + rk[None, :]
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    ws_row = ws_ptr + expert.to(tl.int64) * stride_wse
+    ws_ptrs = ws_row + (rn // rows_per_scale).to(tl.int64) * stride_wsn
+    ws_up_ptrs = ws_row + ((rn + N) // rows_per_scale).to(tl.int64) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -185,12 +191,19 @@ def _grouped_gemm_kernel(
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = n_mask[None, :] & k_mask[:, None]
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        acc = tl.dot(a, w.to(a.dtype), acc)
+        acc = dot_w(acc, a, w, ws_ptrs, k0, K, k_per_scale, n_mask, W_SCALE, FAST_CVT)
         if GATED:
             w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
-            acc_up = tl.dot(a, w_up.to(a.dtype), acc_up)
+            acc_up = dot_w(acc_up, a, w_up, ws_up_ptrs, k0, K, k_per_scale, n_mask, W_SCALE, FAST_CVT)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if FAST_CVT:
+        acc *= E4M3_BF16_UNIT
+        acc_up *= E4M3_BF16_UNIT
+    if W_SCALE == 1:
+        acc *= tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(ws_up_ptrs, mask=n_mask, other=0.0)[None, :]
     if NORM_IN:
         acc *= rstd[:, None]
         acc_up *= rstd[:, None]
@@ -218,10 +231,14 @@ def _sum_topk_kernel(pair_out_ptr, ids_ptr, out_ptr, H, num_experts, res_ptr, g_
                     TOP_K, K_PAD, NORM_OUT)
 
 
-def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
-    """Tile shapes by rows per expert: tiny blocks and deep K tiles when memory-bound (decode)."""
+def _config(num_pairs: int, num_experts: int, dtype: torch.dtype, fp8_weights: bool = False) -> dict:
+    """Tile shapes by rows per expert: tiny blocks and deep K tiles when memory-bound (decode).
+    fp8_weights (W8A16): at a block per pair, N tiles twice as wide, so a K step streams as many
+    weight bytes as the bf16 plan (W8A16_PAIRS)."""
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
     if num_pairs <= _PAIR_BLOCKS:
+        if fp8_weights:
+            return dict(W8A16_PAIRS)
         # narrow tiles, 2 warps: enough programs to keep every SM streaming an expert's rows
         # (each GEMM's fastest plan in a sweep at 1 and 2 tokens)
         cfg = dict(BLOCK_M=16, BLOCK_N1=16, BLOCK_N2=32, BLOCK_K=128, num_warps=2, num_stages=3)
@@ -234,6 +251,10 @@ def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     if dtype.itemsize > 2:  # same shared memory per stage for 4-byte operands
         cfg.update(BLOCK_K=cfg["BLOCK_K"] // 2, num_stages=min(cfg["num_stages"], 3))
     return cfg
+
+
+# The W8A16 plan at a block per pair (benchmarks/fp8_moe.py --w8a16 sweeps it).
+W8A16_PAIRS = dict(BLOCK_M=16, BLOCK_N1=32, BLOCK_N2=64, BLOCK_K=128, num_warps=2, num_stages=4)
 
 
 def moe_gemm_meta(cfg: dict, gemm: int, block_k: int | None) -> dict:
@@ -262,32 +283,47 @@ def fused_experts_triton(
 def routed_experts_triton(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
     renormalize: bool, scoring: str = "softmax", norm_in: tuple[torch.Tensor, float] | None = None,
-    norm_out: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = True,
+    norm_out: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = True, scales: tuple | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_routing_triton, then fused_experts_triton, every expert held here. With a block per
     pair (decode), the first expert GEMM ranks the experts itself: one launch
     fewer, the same weights and experts. norm_in = (ss, eps): x is s * norm weight and ss the
     partial sums of squares from kernels/triton/linear.py skinny_linear_add_norm_triton; the
     experts see rms_norm(s). norm_out = (residual, norm weight): returns (s, sg, ss), the output
-    plus the residual with the next RMSNorm left pending (kernels/triton/linear.py)."""
+    plus the residual with the next RMSNorm left pending (kernels/triton/linear.py).
+    scales = (w13_scale, w2_scale, block): w13 / w2 are fp8 (kernels/fp8.py layouts), read into
+    these bf16 kernels (W8A16)."""
     num_tokens = x.shape[0]
     if not 0 < num_tokens * top_k <= _PAIR_BLOCKS:
         weights, ids = topk_routing_triton(router_logits, top_k, renormalize, scoring, pdl)
-        return _fused_experts(x, w13, w2, weights, ids, norm_in=norm_in, norm_out=norm_out, pdl=pdl)
+        return _fused_experts(x, w13, w2, weights, ids, norm_in=norm_in, norm_out=norm_out, pdl=pdl,
+                              scales=scales)
     check_routing(router_logits, top_k, scoring)  # (topk_routing_triton checks on the other path)
     weights = torch.empty(num_tokens, top_k, device=x.device, dtype=torch.float32)
     ids = torch.empty(num_tokens, top_k, device=x.device, dtype=torch.int32)
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     return _fused_experts(x, w13, w2, weights, ids, router=(logits, renormalize, scoring == "softmax"),
-                          norm_in=norm_in, norm_out=norm_out, pdl=pdl)
+                          norm_in=norm_in, norm_out=norm_out, pdl=pdl, scales=scales)
+
+
+def _w_scales(scale: torch.Tensor | None, block: tuple[int, int] | None, placeholder: torch.Tensor) -> tuple:
+    """The kernel's (ws, stride_wse, stride_wsn, rows_per_scale, k_per_scale) and W_SCALE for an
+    expert stack's scales [E, N] (per channel) or [E, N / bn, K / bk] (block); placeholders for bf16."""
+    if scale is None:
+        return (placeholder, 0, 0, 1, 1), 0
+    scale = scale.contiguous()
+    if block is None:
+        return (scale, scale.stride(0), 1, 1, 1), 1
+    return (scale, scale.stride(0), scale.stride(1), block[0], block[1]), 2
 
 
 def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, router: tuple | None = None,
-                   norm_in: tuple | None = None, norm_out: tuple | None = None, pdl: bool = True):
+                   norm_in: tuple | None = None, norm_out: tuple | None = None, pdl: bool = True,
+                   scales: tuple | None = None):
     """fused_experts_triton with an optional explicit tile config (benchmark sweeps, tests; FUSED_SUM=False
     forces the sum launch). router =
     (logits [T, E], renormalize, softmax): topk_weights / topk_ids are outputs, filled by the
-    first GEMM (a block per pair only). norm_in / norm_out: see routed_experts_triton."""
+    first GEMM (a block per pair only). norm_in / norm_out / scales: see routed_experts_triton."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -301,11 +337,18 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
-    cfg = cfg or _config(num_pairs, num_experts, x.dtype)
+    w13_scale, w2_scale, block = scales if scales is not None else (None, None, None)
+    if cfg is None:
+        cfg = _config(num_pairs, num_experts, x.dtype, fp8_weights=scales is not None)
+        if block is not None and cfg["BLOCK_K"] > block[1]:  # K tiles within the weight's K block
+            cfg["BLOCK_K"] = block[1]
     block_m = cfg["BLOCK_M"]
 
     # the two GEMMs may be tuned apart: BLOCK_K2, num_warps2, ... override the shared keys
-    meta1, meta2 = (dict(moe_gemm_meta(cfg, i, None), TOP_K=top_k) for i in (1, 2))
+    meta1, meta2 = (dict(moe_gemm_meta(cfg, i, block[1] if block else None), TOP_K=top_k) for i in (1, 2))
+    ws13, kind = _w_scales(w13_scale, block, out)
+    ws2, _ = _w_scales(w2_scale, block, out)
+    fast = kind > 0 and cfg.get("FAST_CVT", fast_cvt(x, w13))
 
     pairs = cfg.get("PAIRS", num_pairs <= _PAIR_BLOCKS)
     if router is not None and not pairs:
@@ -329,10 +372,10 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
     _grouped_gemm_kernel[(num_blocks * n_tiles,)](
         x, w13, act, sorted_pairs, block_expert, block_rows, topk_weights,
         inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), n_tiles, num_experts,
-        out, out, logits, logits.stride(0), ss_in, in_strips, eps, out, out, out, out, GATHER_A=True,
+        out, out, logits, logits.stride(0), ss_in, in_strips, eps, out, out, out, out, *ws13, GATHER_A=True,
         SCATTER_OUT=False, GATED=True, PAIRS=pairs, EVEN_K=hidden % meta1["BLOCK_K"] == 0, FUSED_SUM=False,
         K_PAD=k_pad, EARLY_EXPERT=False, NORM_IN=norm_in is not None, S_PAD=triton.next_power_of_2(in_strips),
-        NORM_OUT=False,
+        NORM_OUT=False, W_SCALE=kind, FAST_CVT=fast,
         **route, **meta1, **launch_args(x, pdl),
     )
     pair_out = torch.empty(num_pairs, hidden, device=x.device, dtype=x.dtype)
@@ -351,8 +394,9 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
     _grouped_gemm_kernel[(num_blocks * n_tiles,)](
         act, w2, pair_out, sorted_pairs, block_expert, block_rows, topk_weights,
         hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), n_tiles, num_experts,
-        out, tickets(x.device), logits, logits.stride(0), out, 1, 0.0, *norm_args, GATHER_A=False,
+        out, tickets(x.device), logits, logits.stride(0), out, 1, 0.0, *norm_args, *ws2, GATHER_A=False,
         SCATTER_OUT=True, GATED=False, PAIRS=pairs, NORM_IN=False, S_PAD=1, NORM_OUT=norm_out is not None,
+        W_SCALE=kind, FAST_CVT=fast,
         EVEN_K=inter % meta2["BLOCK_K"] == 0, FUSED_SUM=fused_sum, K_PAD=k_pad,
         EARLY_EXPERT=router is not None,
         **dict(route, ROUTE=False), **meta2, **launch_args(x, pdl),

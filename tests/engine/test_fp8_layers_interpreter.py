@@ -1,7 +1,9 @@
 """FP8 linear layers hand the pending RMSNorm along on the FP8 decode tile, checked on CPU in
 Triton's interpreter: o_proj (row-parallel, norm_after) -> PendingRMSNorm -> qkv, per-channel
 (quantized at load) and block-scaled [128, 128] (checkpoint layout; qkv's 192 rows keep a scale per row),
-against fp8_linear_ref + rms_norm_ref, and the same layers with fuse_norms off.
+against fp8_linear_ref + rms_norm_ref, and the same layers with fuse_norms off; and both again
+with KernelConfig.fp8_dense_w8a16, where these decode row counts read the fp8 weights into the bf16
+skinny GEMM (against fp8_linear_w8a16_ref).
 
 The child process makes the kernels' dispatch take the Triton path for CPU tensors (the
 interpreter runs them) and quantizes activations with the torch reference (the interpreter's
@@ -22,7 +24,7 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
-def _layers(scheme_name: str, fuse_norms: bool, device: str, act: torch.dtype):
+def _layers(scheme_name: str, fuse_norms: bool, device: str, act: torch.dtype, w8a16: bool = True):
     from torch import nn
 
     from tandem.engine.layers.fp8 import quantize_layers
@@ -32,7 +34,7 @@ def _layers(scheme_name: str, fuse_norms: bool, device: str, act: torch.dtype):
     from tandem.kernels import KernelConfig
     from tandem.kernels.fp8 import E4M3, quantize_weight
 
-    kernels = KernelConfig(pdl=False, fuse_norms=fuse_norms)
+    kernels = KernelConfig(pdl=False, fuse_norms=fuse_norms, fp8_dense_w8a16=w8a16)
     model = nn.Module()
     model.o_proj = RowParallelLinear(256, 128, kernels=kernels, norm_after=True)
     model.norm = PendingRMSNorm(128, 1e-6, kernels=kernels)
@@ -56,13 +58,14 @@ def _layers(scheme_name: str, fuse_norms: bool, device: str, act: torch.dtype):
 
 
 def run_case(scheme_name: str, device: str = "cpu") -> None:
-    from tandem.kernels.fp8 import fp8_linear_ref
+    from tandem.kernels.fp8 import fp8_linear_ref, fp8_linear_w8a16_ref
     from tandem.kernels.linear import PendingNorm
     from tandem.kernels.norm import rms_norm_ref
 
     act = torch.float16 if device == "cpu" else torch.bfloat16  # (the interpreter's bf16 dot is wrong)
-    for fuse in (True, False):
-        model = _layers(scheme_name, fuse, device, act)
+    for fuse, w8a16 in ((True, True), (False, True), (True, False), (False, False)):
+        model = _layers(scheme_name, fuse, device, act, w8a16)
+        ref = fp8_linear_w8a16_ref if w8a16 else fp8_linear_ref
         o, qkv = model.o_proj, model.qkv_proj
         g = torch.Generator().manual_seed(2)
         for rows in (1, 5):
@@ -71,11 +74,11 @@ def run_case(scheme_name: str, device: str = "cpu") -> None:
             h, s = model.norm(o(x), res)
             assert isinstance(h, PendingNorm) == fuse, (scheme_name, fuse)
             y = qkv(h)
-            s_ref = (fp8_linear_ref(x.float(), o.weight, o.weight_scale, o.fp8_block).to(act).float() + res.float())
-            y_ref = fp8_linear_ref(rms_norm_ref(s_ref.to(act), model.norm.weight, 1e-6).float(), qkv.weight,
-                                   qkv.weight_scale, qkv.fp8_block)
-            assert _rel(s, s_ref) < 1e-2, (scheme_name, fuse, rows, _rel(s, s_ref))
-            assert _rel(y, y_ref) < 2e-2, (scheme_name, fuse, rows, _rel(y, y_ref))
+            s_ref = (ref(x.float(), o.weight, o.weight_scale, o.fp8_block).to(act).float() + res.float())
+            y_ref = ref(rms_norm_ref(s_ref.to(act), model.norm.weight, 1e-6).float(), qkv.weight,
+                        qkv.weight_scale, qkv.fp8_block)
+            assert _rel(s, s_ref) < 1e-2, (scheme_name, fuse, w8a16, rows, _rel(s, s_ref))
+            assert _rel(y, y_ref) < 2e-2, (scheme_name, fuse, w8a16, rows, _rel(y, y_ref))
 
 
 def _main() -> None:

@@ -175,6 +175,77 @@ def run_pending_norm_case(case, device, dtype, quant_after: bool = True) -> None
         assert _rel(dense, h_ref.double() @ w_dense.double().t()) < 5e-3, case
 
 
+W8A16_CASES = [  # (rows, N, K, block, plan): fp8 weights in the bf16 skinny GEMM (kernels/triton/linear.py)
+    # per-channel, K split in 2 (tickets)
+    (1, 96, 256, None, dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, num_warps=2, num_stages=4)),
+    # block-scaled, strips past N, the last split one tile deep
+    (3, 200, 384, (128, 128), dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, num_warps=2, num_stages=4)),
+    # row scales (bn 1), K tiles half the K block
+    (16, 64, 256, (1, 128), dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=4, num_warps=2, num_stages=4)),
+    # K 300 split in 4: the last split is past K (reads nothing, scale index kept in the grid)
+    (5, 48, 300, (128, 128), dict(BLOCK_N=16, BLOCK_K=128, SPLIT_K=4, num_warps=2, num_stages=4)),
+    # per-channel, ragged K, no split, the first tile behind the PDL wait
+    (2, 40, 200, None, dict(BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=3, PRELOAD=False)),
+]
+W8A16_MOE_CASES = [  # (tokens, hidden, inter, experts, top_k, block): routed experts with fp8 weights
+    (1, 128, 256, 8, 2, (128, 128)),  # a block per pair, routing in the first GEMM, fused sum
+    (3, 128, 128, 4, 2, None),  # per-channel
+    (10, 256, 128, 8, 3, (128, 128)),  # 30 pairs: the routing launch, grouped blocks, the sum launch
+    (2, 64, 96, 4, 2, (32, 32)),  # K blocks narrower than the plan's K tile (clamped to 32)
+]
+
+
+def _w8a16_rows(m: int, k: int, device: str, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(m, k, generator=g).to(torch.float16 if device == "cpu" else torch.bfloat16).to(device)
+
+
+def run_w8a16_case(case, device, dtype, cfg: dict | None = None) -> None:
+    """The bf16 skinny GEMM reading fp8 weights (W8A16) against fp8_linear_w8a16_ref (x times the
+    dequantized weight in float32); with a pending norm: the GEMM ahead adds the residual, the
+    GEMM after applies the norm, against w8a16_ref + rms_norm_ref."""
+    from tandem.kernels.fp8 import fp8_linear_w8a16_ref
+    from tandem.kernels.norm import rms_norm_ref
+    from tandem.kernels.triton.linear import (skinny_linear_add_norm_triton, skinny_linear_normed_triton,
+                                              skinny_linear_triton)
+    m, n, k, block = case
+    g = torch.Generator().manual_seed(m * 1000 + n + 1)
+    q, s = (t.to(device) for t in quantize_weight(torch.randn(n, k, generator=g) * 0.05, dtype, block))
+    x = _w8a16_rows(m, k, device, g)
+    ref = fp8_linear_w8a16_ref(x.float(), q, s, block)
+    for _ in range(2):  # the second call sees the split-K tickets the first put back
+        out = skinny_linear_triton(x, q, cfg, w_scale=s, block=block)
+        assert _rel(out, ref) < 1e-2, (case, cfg, _rel(out, ref))
+    res, nw = _w8a16_rows(m, n, device, g), (1 + 0.3 * torch.randn(n, generator=g)).to(x.dtype).to(device)
+    q2, s2 = (t.to(device) for t in quantize_weight(torch.randn(24, n, generator=g) * 0.05, dtype, block))
+    s_ref = (fp8_linear_w8a16_ref(x.float(), q, s, block).to(x.dtype).float() + res.float()).to(x.dtype)
+    y_ref = fp8_linear_w8a16_ref(rms_norm_ref(s_ref, nw, 1e-6).float(), q2, s2, block)
+    after = None if cfg is None else dict(cfg, SPLIT_K=1)  # (N of the GEMM ahead is the one after's K)
+    if after is not None and block is not None and n % after["BLOCK_K"]:
+        after["BLOCK_K"] = 16
+    for _ in range(2):
+        s_, sg, ss = skinny_linear_add_norm_triton(x, q, res, nw, cfg, w_scale=s, block=block)
+        assert _rel(s_, s_ref) < 1e-2 and _rel(sg, s_ref.float() * nw.float()) < 1e-2, (case, cfg)
+        y = skinny_linear_normed_triton(sg, q2, ss, 1e-6, after, w_scale=s2, block=block)
+        assert _rel(y, y_ref) < 1e-2, (case, cfg, _rel(y, y_ref))
+
+
+def run_w8a16_moe_case(case, device, dtype, cfg: dict | None = None) -> None:
+    """The routed bf16 experts reading fp8 weights (scales given) against kernels.moe.routed_experts'
+    reference on the same operands (routing, then the experts on the dequantized weights)."""
+    from tandem.kernels.moe import routed_experts
+    from tandem.kernels.triton.moe import routed_experts_triton
+    t, h, i, e, k, block = case
+    g = torch.Generator().manual_seed(t * 11 + e)
+    (q13, s13), (q2, s2) = (quantize_weight(torch.randn(e, 2 * i, h, generator=g) * 0.1, dtype, block),
+                            quantize_weight(torch.randn(e, h, i, generator=g) * 0.1, dtype, block))
+    x, logits = _w8a16_rows(t, h, "cpu", g), torch.randn(t, e, generator=g)
+    ref = routed_experts(x.float(), logits, q13, q2, k, True, scales=(s13, s2, block))
+    x, logits, q13, s13, q2, s2 = (a.to(device) for a in (x, logits.to(x.dtype), q13, s13, q2, s2))
+    for _ in range(2):  # the fused sum's tickets, put back
+        out = routed_experts_triton(x, logits, q13, q2, k, True, scales=(s13, s2, block))
+        assert _rel(out.cpu(), ref) < 2e-2, (case, _rel(out.cpu(), ref))
+
+
 def run_moe_case(case, device, dtype, cfg: dict | None = None) -> None:
     from tandem.kernels.triton.fp8 import fused_experts_fp8_triton
     t, h, i, e, k, block = case
@@ -224,7 +295,9 @@ def _interpreter_main() -> None:
             results[f"skinny{idx}"] = f"{type(exc).__name__}: {exc}"
     pending = lambda case, device, dtype: run_pending_norm_case(case, device, dtype, quant_after=False)  # noqa: E731
     moe_plan = lambda case, device, dtype: run_moe_case(case[0], device, dtype, case[1])  # noqa: E731
-    for kind, cases, fn in (("gemm", GEMM_CASES, run_gemm_case), ("moe", MOE_CASES, run_moe_case),
+    w8a16 = lambda case, device, dtype: run_w8a16_case(case[:4], device, dtype, case[4])  # noqa: E731
+    for kind, cases, fn in (("w8a16_", W8A16_CASES, w8a16), ("w8a16moe", W8A16_MOE_CASES, run_w8a16_moe_case),
+                            ("gemm", GEMM_CASES, run_gemm_case), ("moe", MOE_CASES, run_moe_case),
                             ("pending", PENDING_NORM_CASES, pending), ("moeplan", MOE_PLANS, moe_plan)):
         for idx, case in enumerate(cases):
             try:
@@ -244,7 +317,9 @@ def interpreter_results():
 @pytest.mark.parametrize("case", ["quant"] + [f"gemm{i}" for i in range(len(GEMM_CASES))] +
                          [f"skinny{i}" for i in range(len(SKINNY_CASES))] +
                          [f"pending{i}" for i in range(len(PENDING_NORM_CASES))] +
-                         [f"moe{i}" for i in range(len(MOE_CASES))] + [f"moeplan{i}" for i in range(len(MOE_PLANS))])
+                         [f"moe{i}" for i in range(len(MOE_CASES))] + [f"moeplan{i}" for i in range(len(MOE_PLANS))] +
+                         [f"w8a16_{i}" for i in range(len(W8A16_CASES))] +
+                         [f"w8a16moe{i}" for i in range(len(W8A16_MOE_CASES))])
 def test_fp8_kernel_in_interpreter(interpreter_results, case):
     assert interpreter_results[case] == "", interpreter_results[case]
 
@@ -307,6 +382,28 @@ def test_fp8_experts_gpu(case):
 def test_fp8_experts_split_plans_gpu(case):
     """Plans whose two expert GEMMs differ (benchmarks/fp8_moe.py's sweep) against the reference."""
     run_moe_case(case[0], "cuda", _gpu_fp8(), case[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", W8A16_CASES)
+def test_fp8_w8a16_plans_gpu(case):
+    run_w8a16_case(case[:4], "cuda", _gpu_fp8(), case[4])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [None, (128, 128)])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_fp8_w8a16_model_shapes_gpu(m, block):
+    """Every Llama-3-8B / Qwen3-30B-A3B projection with the W8A16 plan the GEMM picks."""
+    for n, k in LLAMA_8B + QWEN3_30B:
+        run_w8a16_case((m, n, k, block), "cuda", _gpu_fp8())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", W8A16_MOE_CASES + [(1, 2048, 768, 128, 8, (128, 128)), (2, 2048, 768, 128, 8, None),
+                                                   (16, 2048, 768, 128, 8, (128, 128))])
+def test_fp8_w8a16_experts_gpu(case):
+    run_w8a16_moe_case(case, "cuda", _gpu_fp8())
 
 
 @pytest.mark.gpu
@@ -393,3 +490,26 @@ def test_fp8_gemm_plans_compile_for_sm90():
         assert "e4m3" in ptx and ("wgmma" in ptx or "mma.sync" in ptx), what
         assert "cp.async" in ptx, what
         assert compiled.metadata.shared <= SMEM_LIMIT, (what, compiled.metadata.shared)
+
+
+@pytest.mark.parametrize("block_k", [128, None])
+def test_fp8_w8a16_plans_compile_for_sm90(block_k):
+    """Without a GPU: every W8A16 plan of the Llama-3-8B and Qwen3-30B-A3B projections (fp8 weights
+    in the bf16 skinny GEMM, with either pending-norm side) compiles for sm_90 to bf16 tensor-core
+    instructions fed by e4m3 conversions, with pipelined (cp.async) weight loads."""
+    from tandem.kernels.triton.linear import _skinny_gemm_kernel, w8a16_plans
+    ptrs = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32",
+                res_ptr="*bf16", g_ptr="*bf16", sg_ptr="*bf16", ss_ptr="*fp32", ss_in_ptr="*fp32", eps="fp32",
+                ws_ptr="*fp32")
+    for plan in w8a16_plans(LLAMA_8B + QWEN3_30B, block_k):
+        for norm_out in (False, True):
+            p = dict(plan)
+            warps, stages = p.pop("num_warps"), p.pop("num_stages")
+            consts = dict(BLOCK_M=16, SPLIT_K=p.pop("SPLIT_K"), EVEN_K=True, PRELOAD=p.pop("PRELOAD", True),
+                          NORM_OUT=norm_out, NORM_IN=not norm_out, S_PAD=256, W_SCALE=1 if block_k is None else 2,
+                          PDL=True, **p)
+            compiled = _compile_sm90(_skinny_gemm_kernel, ptrs, consts, warps, stages)
+            ptx, what = compiled.asm["ptx"], (block_k, plan, norm_out)
+            assert "e4m3" in ptx and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx, what
+            assert "cp.async" in ptx, what
+            assert compiled.metadata.shared <= SMEM_LIMIT, (what, compiled.metadata.shared)
