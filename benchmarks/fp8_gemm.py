@@ -180,6 +180,44 @@ def _cold_candidates(m: int, n: int, k: int, block_k) -> list[dict]:
     return out
 
 
+def _time_plans(label: str, rule: dict, cands: list[dict], ref: torch.Tensor, run, timer) -> tuple[list, float]:
+    """([(us, plan)] of the rule's plan and each candidate that computes ref (_timed_if_right),
+    the rule's us or nan): run(plan) -> output, timer(plan) -> us per call."""
+    timed = []
+    for cand in [rule] + cands:
+        us = _timed_if_right(label, cand, lambda: run(cand), ref, lambda: timer(cand))
+        if us is not None:
+            timed.append((us, cand))
+    return timed, timed[0][0] if timed and timed[0][1] is rule else float("nan")
+
+
+def _cold_operands(m: int, n: int, k: int, block) -> dict:
+    """Operands for timing on cold weights: x, the fp8 weight wq with its scales ws, `copies` clones
+    of wq (together over 256 MiB, so that none is read from L2 on its next turn), `calls` per graph,
+    nbytes (weight + scale bytes) and bf16_us: the bf16 skinny GEMM on the same shape, cold too."""
+    from benchmarks.profile_decode import _in_graph_us
+    from tandem.kernels.linear import linear
+    x, wq, ws = _operands(m, n, k, block)
+    nbytes = wq.numel() + ws.numel() * 4
+    copies = max(2, -(-256 * 2**20 // nbytes))
+    w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(-(-copies // 2))]
+    bf16_us = _in_graph_us(lambda i: linear(x, w16[i]), len(w16), min(len(w16), 16))
+    del w16
+    return dict(x=x, wq=wq, ws=ws, wqs=[wq] + [wq.clone() for _ in range(copies - 1)], copies=copies,
+                calls=min(copies, 16), nbytes=nbytes, bf16_us=bf16_us)
+
+
+def _cold_cases(rows_list, layouts):
+    """(m, n, k, layout, block, _cold_operands) for every row count, shape and layout; each case's
+    weight copies are freed before the next."""
+    for m in rows_list:
+        for n, k in SHAPES + SHAPES_30B:
+            for layout in layouts:
+                block = (128, 128) if layout == "block" else None
+                yield m, n, k, layout, block, _cold_operands(m, n, k, block)
+                torch.cuda.empty_cache()
+
+
 def cold_sweep_rows(rows_list=(1,), layouts=("block",)) -> list[dict]:
     """Decode-tile plans timed as a decode step runs them: back to back inside a CUDA graph over
     weight copies that do not fit in L2 (do_bench on one weight reads it from L2). Each row's
@@ -188,46 +226,30 @@ def cold_sweep_rows(rows_list=(1,), layouts=("block",)) -> list[dict]:
     from benchmarks.profile_decode import _in_graph_us
     from benchmarks.roofline import copy_bandwidth
     from tandem.kernels.fp8 import fp8_linear_ref
-    from tandem.kernels.linear import linear
     from tandem.kernels.triton.fp8 import fp8_linear_triton
     from tandem.kernels.triton.fp8_skinny import plan, row_bucket
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + written)", flush=True)
     rows, best = [], []
-    for m in rows_list:
-        for n, k in SHAPES + SHAPES_30B:
-            for layout in layouts:
-                block = (128, 128) if layout == "block" else None
-                x, wq, ws = _operands(m, n, k, block)
-                nbytes = wq.numel() + ws.numel() * 4
-                copies = max(2, -(-256 * 2**20 // nbytes))
-                wqs = [wq] + [wq.clone() for _ in range(copies - 1)]
-                calls = min(copies, 16)
-                ref = fp8_linear_ref(x, wq, ws, block).float()
-                w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(-(-copies // 2))]
-                bf16_us = _in_graph_us(lambda i: linear(x, w16[i]), len(w16), min(len(w16), 16))
-                print(f"{m}x{n}x{k} {layout}: bf16 skinny {bf16_us:.1f} us "
-                      f"({2 * n * k / (bf16_us * 1e-6) / bw:.0%} of copy bw)", flush=True)
-                bk = block[1] if block else None
-                rule = plan(m, n, k, bk)
-                timed = []
-                for cand in [rule] + _cold_candidates(m, n, k, bk):
-                    us = _timed_if_right(
-                        f"{m}x{n}x{k}", cand, lambda: fp8_linear_triton(x, wq, ws, block, cand), ref,
-                        lambda: _in_graph_us(lambda i: fp8_linear_triton(x, wqs[i], ws, block, cand), copies, calls))
-                    if us is None:
-                        continue
-                    timed.append((us, cand))
-                    rows.append(dict(model="fp8-gemm-cold", what=f"{m}x{n}x{k} {layout}", us=us,
-                                     of_floor=nbytes / (us * 1e-6) / bw, plan=cand, rule=cand is rule))
-                us_rule = timed[0][0] if timed and timed[0][1] is rule else float("nan")
-                us, cand = min(timed, key=lambda t: t[0])
-                line = (f"    {(row_bucket(m), n, k, bk)}: {cand},  # {us:.1f} us, "
-                        f"{nbytes / (us * 1e-6) / bw:.0%} of copy bw; rule {us_rule:.1f} us")
-                print(line, flush=True)
-                best.append(line)
-                del wqs, w16
-                torch.cuda.empty_cache()
+    for m, n, k, layout, block, op in _cold_cases(rows_list, layouts):
+        x, wq, ws, wqs, copies, calls, nbytes, bf16_us = (
+            op[key] for key in ("x", "wq", "ws", "wqs", "copies", "calls", "nbytes", "bf16_us"))
+        ref = fp8_linear_ref(x, wq, ws, block).float()
+        print(f"{m}x{n}x{k} {layout}: bf16 skinny {bf16_us:.1f} us "
+              f"({2 * n * k / (bf16_us * 1e-6) / bw:.0%} of copy bw)", flush=True)
+        bk = block[1] if block else None
+        rule = plan(m, n, k, bk)
+        timed, us_rule = _time_plans(
+            f"{m}x{n}x{k}", rule, _cold_candidates(m, n, k, bk), ref,
+            lambda cand: fp8_linear_triton(x, wq, ws, block, cand),
+            lambda cand: _in_graph_us(lambda i: fp8_linear_triton(x, wqs[i], ws, block, cand), copies, calls))
+        rows += [dict(model="fp8-gemm-cold", what=f"{m}x{n}x{k} {layout}", us=us,
+                      of_floor=nbytes / (us * 1e-6) / bw, plan=cand, rule=cand is rule) for us, cand in timed]
+        us, cand = min(timed, key=lambda t: t[0])
+        line = (f"    {(row_bucket(m), n, k, bk)}: {cand},  # {us:.1f} us, "
+                f"{nbytes / (us * 1e-6) / bw:.0%} of copy bw; rule {us_rule:.1f} us")
+        print(line, flush=True)
+        best.append(line)
     print("best cold plan per shape (fp8_skinny.PLANS entries):")
     print("\n".join(best))
     return rows
@@ -252,50 +274,34 @@ def w8a16_sweep_rows(rows_list=(1,), layouts=("block",)) -> list[dict]:
     from benchmarks.profile_decode import _in_graph_us
     from benchmarks.roofline import copy_bandwidth
     from tandem.kernels.fp8 import fp8_linear_w8a16_ref
-    from tandem.kernels.linear import linear
     from tandem.kernels.triton.fp8 import fp8_linear_triton
     from tandem.kernels.triton.linear import num_sms, skinny_linear_triton, w8a16_config
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + written)", flush=True)
     rows, best = [], []
-    for m in rows_list:
-        for n, k in SHAPES + SHAPES_30B:
-            for layout in layouts:
-                block = (128, 128) if layout == "block" else None
-                x, wq, ws = _operands(m, n, k, block)
-                nbytes = wq.numel() + ws.numel() * 4
-                copies = max(2, -(-256 * 2**20 // nbytes))
-                wqs = [wq] + [wq.clone() for _ in range(copies - 1)]
-                calls = min(copies, 16)
-                w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(-(-copies // 2))]
-                bf16_us = _in_graph_us(lambda i: linear(x, w16[i]), len(w16), min(len(w16), 16))
-                w8a8_us = _in_graph_us(lambda i: fp8_linear_triton(x, wqs[i], ws, block), copies, calls)
-                of = lambda us, b=nbytes: b / (us * 1e-6) / bw  # noqa: E731
-                print(f"{m}x{n}x{k} {layout}: bf16 skinny {bf16_us:.1f} us ({of(bf16_us, 2 * n * k):.0%} of copy bw), "
-                      f"W8A8 {w8a8_us:.1f} us ({of(w8a8_us):.0%})", flush=True)
-                rows.append(dict(model="fp8-gemm-cold", what=f"{m}x{n}x{k} {layout}", bf16_us=bf16_us,
-                                 w8a8_us=w8a8_us))
-                ref = fp8_linear_w8a16_ref(x, wq, ws, block).float()
-                rule = w8a16_config(n, k, block[1] if block else None, num_sms(x.device))
-                timed = []
-                for cand in [rule] + _w8a16_candidates(k, block[1] if block else None):
-                    us = _timed_if_right(
-                        f"w8a16 {m}x{n}x{k}", cand, lambda: skinny_linear_triton(x, wq, cand, w_scale=ws, block=block),
-                        ref, lambda: _in_graph_us(
-                            lambda i: skinny_linear_triton(x, wqs[i], cand, w_scale=ws, block=block), copies, calls))
-                    if us is None:
-                        continue
-                    timed.append((us, cand))
-                    rows.append(dict(model="w8a16-cold", what=f"{m}x{n}x{k} {layout}", us=us, of_floor=of(us),
-                                     plan=cand, rule=cand is rule))
-                us_rule = timed[0][0] if timed and timed[0][1] is rule else float("nan")
-                us, cand = min(timed, key=lambda t: t[0])
-                line = (f"    {(n, k, block[1] if block else None)}: {cand},  # {us:.1f} us, {of(us):.0%} of copy bw; "
-                        f"rule {us_rule:.1f}, W8A8 {w8a8_us:.1f}, bf16 {bf16_us:.1f}")
-                print(line, flush=True)
-                best.append(line)
-                del wqs, w16
-                torch.cuda.empty_cache()
+    for m, n, k, layout, block, op in _cold_cases(rows_list, layouts):
+        x, wq, ws, wqs, copies, calls, nbytes, bf16_us = (
+            op[key] for key in ("x", "wq", "ws", "wqs", "copies", "calls", "nbytes", "bf16_us"))
+        w8a8_us = _in_graph_us(lambda i: fp8_linear_triton(x, wqs[i], ws, block), copies, calls)
+        of = lambda us, b=nbytes: b / (us * 1e-6) / bw  # noqa: E731
+        print(f"{m}x{n}x{k} {layout}: bf16 skinny {bf16_us:.1f} us ({of(bf16_us, 2 * n * k):.0%} of copy bw), "
+              f"W8A8 {w8a8_us:.1f} us ({of(w8a8_us):.0%})", flush=True)
+        rows.append(dict(model="fp8-gemm-cold", what=f"{m}x{n}x{k} {layout}", bf16_us=bf16_us,
+                         w8a8_us=w8a8_us))
+        ref = fp8_linear_w8a16_ref(x, wq, ws, block).float()
+        rule = w8a16_config(n, k, block[1] if block else None, num_sms(x.device))
+        timed, us_rule = _time_plans(
+            f"w8a16 {m}x{n}x{k}", rule, _w8a16_candidates(k, block[1] if block else None), ref,
+            lambda cand: skinny_linear_triton(x, wq, cand, w_scale=ws, block=block),
+            lambda cand: _in_graph_us(lambda i: skinny_linear_triton(x, wqs[i], cand, w_scale=ws, block=block),
+                                      copies, calls))
+        rows += [dict(model="w8a16-cold", what=f"{m}x{n}x{k} {layout}", us=us, of_floor=of(us), plan=cand,
+                      rule=cand is rule) for us, cand in timed]
+        us, cand = min(timed, key=lambda t: t[0])
+        line = (f"    {(n, k, block[1] if block else None)}: {cand},  # {us:.1f} us, {of(us):.0%} of copy bw; "
+                f"rule {us_rule:.1f}, W8A8 {w8a8_us:.1f}, bf16 {bf16_us:.1f}")
+        print(line, flush=True)
+        best.append(line)
     print("best W8A16 plan per shape (linear.W8A16_PLANS entries):")
     print("\n".join(best))
     return rows
