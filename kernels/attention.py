@@ -78,5 +78,6 @@ def paged_attention(
     if use_triton(q):
         from tandem.kernels.triton.attention import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens,
-                                      query_start_loc, scale, max_query_len, max_seq_len, dense_kv, rope, config.pdl)
+                                      query_start_loc, scale, max_query_len, max_seq_len, dense_kv, rope, config.pdl,
+                                      config.fp8_int_convert)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)

@@ -24,6 +24,9 @@ class KernelConfig:
     fuse_rope: bool = field(default=True, metadata={"help": (
         "a decode batch's q/k norm, rotary embedding and KV-cache store done by the attention launch "
         "(GPU) instead of a launch of their own")})
+    fp8_int_convert: bool = field(default=True, metadata={"help": (
+        "kernels reading e4m3 into bf16 (an fp8 KV cache in attention, the W8A16 GEMMs) convert with integer "
+        "ops (CUDA); --no-fp8-int-convert: Triton's cvt conversion, which runs on the GPU's slow conversion units")})
     fp8_moe_w8a16: bool = field(default=True, metadata={"help": (
         "at decode sizes (<= 16 tokens on a GPU with FP8, every expert here) FP8 experts run on the routed "
         "bf16 expert kernels reading the fp8 weights (W8A16: routing in the first GEMM, no activation "

@@ -132,7 +132,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
     if rows:
         from tandem.kernels.triton.linear import skinny_linear_triton
         y = skinny_linear_triton(x.reshape(rows, x.shape[-1]), w, pdl=config.pdl, w_scale=w_scale,
-                                 block=block).view(*x.shape[:-1], w.shape[0])
+                                 block=block, int_convert=config.fp8_int_convert).view(*x.shape[:-1], w.shape[0])
         return y if bias is None else y + bias
     if use_triton(x) and has_fp8_compute(x.device):
         from tandem.kernels.triton.fp8 import fp8_linear_triton
@@ -162,7 +162,7 @@ def fp8_linear_add_norm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     if fp8_decode_rows(x, config):
         from tandem.kernels.triton.linear import skinny_linear_add_norm_triton
         s, sg, ss = skinny_linear_add_norm_triton(x, w, residual, norm_weight, pdl=config.pdl, w_scale=w_scale,
-                                                  block=block)
+                                                  block=block, int_convert=config.fp8_int_convert)
         return PendingNorm(s, sg, ss, norm_weight, eps)
     from tandem.kernels.triton.fp8_skinny import fp8_skinny_add_norm_triton
     s, sg, ss = fp8_skinny_add_norm_triton(x, w, w_scale, block, residual, norm_weight, pdl=config.pdl)
@@ -177,7 +177,8 @@ def fp8_linear_normed(p: PendingNorm, w: torch.Tensor, w_scale: torch.Tensor, bl
         return fp8_linear(p.normed(config), w, w_scale, block, bias, config)
     if fp8_decode_rows(p.sg, config):
         from tandem.kernels.triton.linear import skinny_linear_normed_triton
-        y = skinny_linear_normed_triton(p.sg, w, p.ss, p.eps, pdl=config.pdl, w_scale=w_scale, block=block)
+        y = skinny_linear_normed_triton(p.sg, w, p.ss, p.eps, pdl=config.pdl, w_scale=w_scale, block=block,
+                                        int_convert=config.fp8_int_convert)
     else:
         from tandem.kernels.triton.fp8_skinny import fp8_skinny_normed_triton
         y = fp8_skinny_normed_triton(p.sg, w, w_scale, block, p.ss, p.eps, pdl=config.pdl)

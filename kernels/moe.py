@@ -77,7 +77,7 @@ def routed_experts(
     if use_triton(x):
         from tandem.kernels.triton.moe import routed_experts_triton
         return routed_experts_triton(x, router_logits, w13, w2, top_k, renormalize, scoring, norm_in, norm_out,
-                                     config.pdl, scales)
+                                     config.pdl, scales, config.fp8_int_convert)
     if norm_in is not None or norm_out is not None:
         raise ValueError("routed_experts: a pending norm needs the Triton experts")
     if scales is not None:

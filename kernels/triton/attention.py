@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.triton.device import num_sms
+from tandem.kernels.triton.e4m3 import E4M3_BF16_UNIT, e4m3_to_bf16_scaled, fast_cvt
 from tandem.kernels.triton.pdl import launch_args, wait_previous
 
 
@@ -71,7 +72,7 @@ def _attend_tiles(
     acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos, lo, hi,
     stride_kb, stride_ko, stride_vb, stride_vo, qk_scale,
     MASKED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-    OFFS_32: tl.constexpr, DENSE: tl.constexpr, BT_SCALAR: tl.constexpr,
+    OFFS_32: tl.constexpr, DENSE: tl.constexpr, BT_SCALAR: tl.constexpr, FAST_CVT: tl.constexpr,
 ):
     """Online softmax over keys [lo, hi); MASKED applies the causal and the hi bound, else
     every tile is full and loads go unpredicated (EVEN_D: no head_dim padding either).
@@ -79,7 +80,9 @@ def _attend_tiles(
     from k_base / v_base (row strides stride_ko / stride_vo), no block table. BT_SCALAR (PAGE
     divides BLOCK_N): a tile's block-table entries are read as BLOCK_N // PAGE scalars and spread
     over its rows in registers, not as a vector of one entry per row (a vector load of the table
-    makes Triton's pipeliner wait for every copy in flight at each tile)."""
+    makes Triton's pipeliner wait for every copy in flight at each tile). FAST_CVT (an e4m3 cache,
+    bf16 q): keys and values are converted by e4m3_to_bf16_scaled, so the scores and acc come out
+    in units of 1 / E4M3_BF16_UNIT (the caller's qk_scale and epilogue scale them back)."""
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         if MASKED:
@@ -118,6 +121,9 @@ def _attend_tiles(
         else:
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        if FAST_CVT:
+            k = e4m3_to_bf16_scaled(k)
+            v = e4m3_to_bf16_scaled(v)
         s = tl.dot(q, tl.trans(k.to(q.dtype)))
         if MASKED:
             s = tl.where((n[None, :] <= q_pos[:, None]) & in_range[None, :], s, float("-inf"))
@@ -164,7 +170,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HEAVY_FIRST: tl.constexpr, OFFS_32: tl.constexpr, DENSE: tl.constexpr, BT_SCALAR: tl.constexpr,
-    ROPE: tl.constexpr, QK_NORM: tl.constexpr, ROT: tl.constexpr, PDL: tl.constexpr,
+    ROPE: tl.constexpr, QK_NORM: tl.constexpr, ROT: tl.constexpr, FAST_CVT: tl.constexpr, PDL: tl.constexpr,
 ):
     # Up to the wait only sequence metadata is read (query_start_loc, seq_lens), which no kernel
     # of the step writes: the dependent loads that place this program run while the kernel ahead
@@ -260,10 +266,14 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
                                   kv_lo, full_hi, stride_kb, stride_ko, stride_vb, stride_vo,
-                                  qk_scale, False, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE, BT_SCALAR)
+                                  qk_scale, False, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE, BT_SCALAR,
+                                  FAST_CVT)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
                                   full_hi, kv_hi, stride_kb, stride_ko, stride_vb, stride_vo,
-                                  qk_scale, True, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE, BT_SCALAR)
+                                  qk_scale, True, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE, BT_SCALAR,
+                                  FAST_CVT)
+    if FAST_CVT:
+        acc *= E4M3_BF16_UNIT
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -380,7 +390,7 @@ def paged_attention_triton(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
     max_query_len: int | None = None, max_seq_len: int | None = None,
     dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope: "NewTokens | None" = None,
-    pdl: bool = True,
+    pdl: bool = True, int_convert: bool = True,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hk, D]; block_tables: [S, max_blocks] int32;
     seq_lens: [S] (context incl. the new tokens); query_start_loc: [S+1]. Returns [T, Hq, D].
@@ -392,15 +402,17 @@ def paged_attention_triton(
     rope: a decode batch's new tokens (one a sequence; max_query_len 1) as the qkv GEMM left
     them: q (raw), k and v are normalized, rotated and stored by the attention programs, as
     kernels.rotary.rotary_store_kvcache would have done in a launch of its own.
+    int_convert: an e4m3 cache is read into bf16 by integer ops (kernels/triton/e4m3.py) on CUDA.
     """
     return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                            max_query_len, max_seq_len, dense_kv=dense_kv, rope=rope, pdl=pdl)
+                            max_query_len, max_seq_len, dense_kv=dense_kv, rope=rope, pdl=pdl,
+                            int_convert=int_convert)
 
 
 def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                      max_query_len=None, max_seq_len=None, plan: dict | None = None,
                      dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope=None,
-                     pdl: bool = True):
+                     pdl: bool = True, int_convert: bool = True):
     """paged_attention_triton with an optional explicit launch plan (benchmark sweeps)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
@@ -432,6 +444,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         q_w, k_w, eps = rope.qk_norm if rope.qk_norm is not None else (q, q, 0.0)  # unused without norm
         rope_args = (rope.positions, rope.cos_sin_cache, rope.cos_sin_cache.stride(0), rope.slot_mapping,
                      q_w, k_w, eps)
+    fast = int_convert and fast_cvt(q, k_cache) and v_cache.dtype == k_cache.dtype
     d_pad = triton.next_power_of_2(head_dim)
     offs_32 = max(k_cache.shape[0] * k_cache.stride(0), v_cache.shape[0] * v_cache.stride(0),
                   k_new.shape[0] * k_new.stride(0), v_new.shape[0] * v_new.stride(0)) < 2**31
@@ -449,7 +462,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             grid = (num_kv_heads, grid[0], splits)
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc,
-            scale * 1.4426950408889634, num_seqs, *p["Q_RANGE"],
+            scale * 1.4426950408889634 * (E4M3_BF16_UNIT if fast else 1.0), num_seqs, *p["Q_RANGE"],
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -459,7 +472,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             OFFS_32=p.get("OFFS_32", offs_32), DENSE=p.get("DENSE", False) and dense_kv is not None,
             BT_SCALAR=p.get("BT_SCALAR", False) and p["BLOCK_N"] % page == 0,
             ROPE=rope is not None, QK_NORM=rope is not None and rope.qk_norm is not None,
-            ROT=rope.cos_sin_cache.shape[-1] if rope is not None else 0,
+            ROT=rope.cos_sin_cache.shape[-1] if rope is not None else 0, FAST_CVT=fast,
             num_warps=p["num_warps"], num_stages=p["num_stages"], **launch_args(q, pdl),
         )
         if splits > 1:

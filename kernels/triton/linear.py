@@ -20,7 +20,7 @@ FP8 weights (W8A16; kernels/fp8.py's layouts): the weight tiles are read as fp8 
 the activations' dtype for the dot, so a decode step reads half the bytes and quantizes nothing.
 W_SCALE 1 (per channel): the sum is scaled by the column's scale at the end; 2 (block): each K
 tile (BLOCK_K divides the K block) is scaled on the accumulator by its columns' block scales.
-FAST_CVT (CUDA, bf16 activations, e4m3): the conversion is integer ops (e4m3_to_bf16_scaled)
+FAST_CVT (CUDA, bf16 activations, e4m3): the conversion is integer ops (kernels/triton/e4m3.py)
 instead of the cvt instructions, whose throughput kept the W8A16 GEMM below the HBM rate.
 """
 import torch
@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.triton.device import MAX_TICKETS, num_sms, tickets
+from tandem.kernels.triton.e4m3 import E4M3_BF16_UNIT, e4m3_to_bf16_scaled, fast_cvt
 from tandem.kernels.triton.pdl import launch_args, wait_previous
 
 MAX_ROWS = 16
@@ -45,37 +46,6 @@ def _x_tile(x_ptrs, k_left, m_mask, rk, EVEN: tl.constexpr):
     if EVEN:
         return tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
     return tl.load(x_ptrs, mask=m_mask[:, None] & (rk < k_left)[None, :], other=0.0)
-
-
-E4M3_BF16_UNIT = tl.constexpr(2.0 ** 120)  # e4m3_to_bf16_scaled's tiles hold w / E4M3_BF16_UNIT
-
-
-def fast_cvt(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the W8A16 kernels convert w with e4m3_to_bf16_scaled (CUDA PTX; bf16 x, e4m3fn w)."""
-    return (x.is_cuda and torch.version.cuda is not None and x.dtype == torch.bfloat16
-            and w.dtype == torch.float8_e4m3fn)
-
-
-@triton.jit
-def e4m3_to_bf16_scaled(w):
-    """An e4m3 tile as bf16 holding w * 2^-120, in integer ops (per 4 values: two byte permutes,
-    then and-shift-or twice) where cvt (e4m3 -> f16 -> bf16) runs on the slow conversion units:
-    e4m3's sign, 4 exponent and 3 mantissa bits placed into bf16's sign, low exponent and high
-    mantissa bits read as the value times 2^(7 - 127), subnormals as subnormals."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 z, a, b, t;
-        mov.b32 z, 0;
-        prmt.b32 a, $2, z, 0x1404;
-        prmt.b32 b, $2, z, 0x3424;
-        and.b32 t, a, 0x7F007F00;
-        shr.b32 t, t, 4;
-        lop3.b32 $0, a, 0x80008000, t, 0xea;
-        and.b32 t, b, 0x7F007F00;
-        shr.b32 t, t, 4;
-        lop3.b32 $1, b, 0x80008000, t, 0xea;
-        }""",
-        constraints="=r,=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -270,17 +240,18 @@ def _fp8_meta(weight: torch.Tensor, w_scale: torch.Tensor | None, block: tuple[i
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, cfg: dict | None = None,
                          pdl: bool = True, w_scale: torch.Tensor | None = None,
-                         block: tuple[int, int] | None = None) -> torch.Tensor:
+                         block: tuple[int, int] | None = None, int_convert: bool = True) -> torch.Tensor:
     """x: [M, K] with M <= MAX_ROWS; weight: [N, K] -> x @ weight.T, [M, N] in x.dtype. cfg: a tile
     plan (benchmark sweeps; PRELOAD=False keeps the first weight tile behind the PDL wait).
-    w_scale: the weight is fp8 with these scales (kernels/fp8.py layouts, `block`): W8A16."""
-    return _launch(x, weight, cfg, pdl, w8=(w_scale, block))[0]
+    w_scale: the weight is fp8 with these scales (kernels/fp8.py layouts, `block`): W8A16 (e4m3 read
+    by integer ops where int_convert and kernels/triton/e4m3.py fast_cvt allow)."""
+    return _launch(x, weight, cfg, pdl, w8=(w_scale, block, int_convert))[0]
 
 
 def skinny_linear_add_norm_triton(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
     cfg: dict | None = None, pdl: bool = True, w_scale: torch.Tensor | None = None,
-    block: tuple[int, int] | None = None,
+    block: tuple[int, int] | None = None, int_convert: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The GEMM ahead of an RMSNorm (NORM_OUT): x: [M, K]; weight: [N, K]; residual: [M, N];
     norm_weight: [N] -> (s = x @ weight.T + residual, sg = s * norm_weight, ss [MAX_ROWS, strips]
@@ -289,26 +260,27 @@ def skinny_linear_add_norm_triton(
     if residual.shape != (m, n) or norm_weight.shape != (n,):
         raise ValueError(f"skinny_linear_add_norm: output ({m}, {n}), residual {tuple(residual.shape)}, "
                          f"norm weight {tuple(norm_weight.shape)}")
-    return _launch(x, weight, cfg, pdl, norm_out=(residual, norm_weight), w8=(w_scale, block))
+    return _launch(x, weight, cfg, pdl, norm_out=(residual, norm_weight), w8=(w_scale, block, int_convert))
 
 
 def skinny_linear_normed_triton(
     sg: torch.Tensor, weight: torch.Tensor, ss: torch.Tensor, eps: float, cfg: dict | None = None,
     pdl: bool = True, w_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+    int_convert: bool = True,
 ) -> torch.Tensor:
     """The GEMM after (NORM_IN): sg, ss from skinny_linear_add_norm_triton -> rms_norm(s) @ weight.T
     (sg @ weight.T times each row's rsqrt(mean(s^2) + eps)). w_scale, block: as skinny_linear_triton."""
     if ss.dim() != 2 or ss.shape[0] != MAX_ROWS or ss.dtype != torch.float32:
         raise ValueError(f"skinny_linear_normed: ss {tuple(ss.shape)} {ss.dtype}, expected [{MAX_ROWS}, strips] float32")
-    return _launch(sg, weight, cfg, pdl, norm_in=(ss, eps), w8=(w_scale, block))[0]
+    return _launch(sg, weight, cfg, pdl, norm_in=(ss, eps), w8=(w_scale, block, int_convert))[0]
 
 
-def _launch(x, weight, cfg, pdl, norm_out=None, norm_in=None, w8=(None, None)):
+def _launch(x, weight, cfg, pdl, norm_out=None, norm_in=None, w8=(None, None, True)):
     m, k = x.shape
     n = weight.shape[0]
     if m > MAX_ROWS or weight.shape[1] != k:
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} (at most {MAX_ROWS} rows), weight {tuple(weight.shape)}")
-    w_scale, block = w8
+    w_scale, block, int_convert = w8
     ws, stride_wsn, rows_per_scale, k_per_scale, w_scale_kind = _fp8_meta(weight, w_scale, block)
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
@@ -339,6 +311,6 @@ def _launch(x, weight, cfg, pdl, norm_out=None, norm_in=None, w8=(None, None)):
         BLOCK_M=MAX_ROWS, SPLIT_K=split, EVEN_K=k % (split * cfg["BLOCK_K"]) == 0,
         PRELOAD=cfg.pop("PRELOAD", True), NORM_OUT=norm_out is not None, NORM_IN=norm_in is not None,
         S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in is not None else 1, W_SCALE=w_scale_kind,
-        FAST_CVT=w_scale is not None and cfg.pop("FAST_CVT", fast_cvt(x, weight)), **cfg, **launch_args(x, pdl),
+        FAST_CVT=w_scale is not None and int_convert and fast_cvt(x, weight), **cfg, **launch_args(x, pdl),
     )
     return out, sg, ss

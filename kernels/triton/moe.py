@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.triton.device import MAX_TICKETS, tickets
-from tandem.kernels.triton.linear import E4M3_BF16_UNIT, MAX_ROWS, dot_w, fast_cvt, pend_norm, pending_rstd
+from tandem.kernels.triton.e4m3 import E4M3_BF16_UNIT, fast_cvt
+from tandem.kernels.triton.linear import MAX_ROWS, dot_w, pend_norm, pending_rstd
 from tandem.kernels.triton.moe_align import _align
 from tandem.kernels.triton.pdl import launch_args, wait_previous
 from tandem.kernels.triton.routing import check_routing, topk_of_rows, topk_routing_triton
@@ -284,6 +285,7 @@ def routed_experts_triton(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
     renormalize: bool, scoring: str = "softmax", norm_in: tuple[torch.Tensor, float] | None = None,
     norm_out: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = True, scales: tuple | None = None,
+    int_convert: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_routing_triton, then fused_experts_triton, every expert held here. With a block per
     pair (decode), the first expert GEMM ranks the experts itself: one launch
@@ -292,18 +294,18 @@ def routed_experts_triton(
     experts see rms_norm(s). norm_out = (residual, norm weight): returns (s, sg, ss), the output
     plus the residual with the next RMSNorm left pending (kernels/triton/linear.py).
     scales = (w13_scale, w2_scale, block): w13 / w2 are fp8 (kernels/fp8.py layouts), read into
-    these bf16 kernels (W8A16)."""
+    these bf16 kernels (W8A16; int_convert: e4m3 read by integer ops, kernels/triton/e4m3.py)."""
     num_tokens = x.shape[0]
     if not 0 < num_tokens * top_k <= _PAIR_BLOCKS:
         weights, ids = topk_routing_triton(router_logits, top_k, renormalize, scoring, pdl)
         return _fused_experts(x, w13, w2, weights, ids, norm_in=norm_in, norm_out=norm_out, pdl=pdl,
-                              scales=scales)
+                              scales=scales, int_convert=int_convert)
     check_routing(router_logits, top_k, scoring)  # (topk_routing_triton checks on the other path)
     weights = torch.empty(num_tokens, top_k, device=x.device, dtype=torch.float32)
     ids = torch.empty(num_tokens, top_k, device=x.device, dtype=torch.int32)
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     return _fused_experts(x, w13, w2, weights, ids, router=(logits, renormalize, scoring == "softmax"),
-                          norm_in=norm_in, norm_out=norm_out, pdl=pdl, scales=scales)
+                          norm_in=norm_in, norm_out=norm_out, pdl=pdl, scales=scales, int_convert=int_convert)
 
 
 def _w_scales(scale: torch.Tensor | None, block: tuple[int, int] | None, placeholder: torch.Tensor) -> tuple:
@@ -319,7 +321,7 @@ def _w_scales(scale: torch.Tensor | None, block: tuple[int, int] | None, placeho
 
 def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, router: tuple | None = None,
                    norm_in: tuple | None = None, norm_out: tuple | None = None, pdl: bool = True,
-                   scales: tuple | None = None):
+                   scales: tuple | None = None, int_convert: bool = True):
     """fused_experts_triton with an optional explicit tile config (benchmark sweeps, tests; FUSED_SUM=False
     forces the sum launch). router =
     (logits [T, E], renormalize, softmax): topk_weights / topk_ids are outputs, filled by the
@@ -348,7 +350,7 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
     meta1, meta2 = (dict(moe_gemm_meta(cfg, i, block[1] if block else None), TOP_K=top_k) for i in (1, 2))
     ws13, kind = _w_scales(w13_scale, block, out)
     ws2, _ = _w_scales(w2_scale, block, out)
-    fast = kind > 0 and cfg.get("FAST_CVT", fast_cvt(x, w13))
+    fast = kind > 0 and int_convert and fast_cvt(x, w13)
 
     pairs = cfg.get("PAIRS", num_pairs <= _PAIR_BLOCKS)
     if router is not None and not pairs:

@@ -407,9 +407,11 @@ def test_fp8_w8a16_experts_gpu(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("int_convert", [True, False])
 @pytest.mark.parametrize("q_len", [1, 37])
-def test_paged_attention_fp8_kv_gpu(q_len):
-    """The Triton attention reads an fp8 cache like the reference does (same cache contents)."""
+def test_paged_attention_fp8_kv_gpu(q_len, int_convert):
+    """The Triton attention reads an fp8 cache like the reference does (same cache contents), with
+    the e4m3 -> bf16 conversion by integer ops (kernels/triton/e4m3.py) or by cvt."""
     from tandem.kernels.attention import paged_attention_ref
     from tandem.kernels.triton.attention import paged_attention_triton
     dtype = _gpu_fp8()
@@ -421,7 +423,8 @@ def test_paged_attention_fp8_kv_gpu(q_len):
     table = torch.randperm(blocks, device="cuda", dtype=torch.int32)[None, :]
     seq_lens = torch.tensor([ctx], device="cuda", dtype=torch.int32)
     qsl = torch.tensor([0, q_len], device="cuda", dtype=torch.int32)
-    out = paged_attention_triton(q, k_cache, v_cache, table, seq_lens, qsl, d ** -0.5, q_len, ctx)
+    out = paged_attention_triton(q, k_cache, v_cache, table, seq_lens, qsl, d ** -0.5, q_len, ctx,
+                                 int_convert=int_convert)
     ref = paged_attention_ref(q, k_cache, v_cache, table, seq_lens, qsl, d ** -0.5)
     assert _rel(out, ref) < 2e-2
 

@@ -1,0 +1,40 @@
+"""e4m3 -> bf16 in integer ops, for kernels that read fp8 (the W8A16 GEMMs, an fp8 KV cache).
+
+Triton's `.to(tl.bfloat16)` of an e4m3 tile compiles to cvt e4m3x2 -> f16x2, then f16 -> bf16 per
+value, on the GPU's conversion units; at decode sizes those, not HBM, bounded the W8A16 expert
+GEMMs (benchmarks/RESULTS.md). e4m3's sign, 4 exponent and 3 mantissa bits placed into bf16's
+sign, low exponent and high mantissa bits read as the value times 2^(7 - 127), subnormals as
+subnormals, exactly: two byte permutes, then and/shift/lop3 twice, per 4 values. A kernel using
+it scales its float32 result back by E4M3_BF16_UNIT once.
+"""
+import torch
+import triton
+import triton.language as tl
+
+E4M3_BF16_UNIT = tl.constexpr(2.0 ** 120)  # e4m3_to_bf16_scaled's tiles hold w / E4M3_BF16_UNIT
+
+
+def fast_cvt(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a kernel multiplying bf16 x by e4m3 w converts w with e4m3_to_bf16_scaled (CUDA PTX;
+    ROCm and the interpreter keep `.to()`)."""
+    return (x.is_cuda and torch.version.cuda is not None and x.dtype == torch.bfloat16
+            and w.dtype == torch.float8_e4m3fn)
+
+
+@triton.jit
+def e4m3_to_bf16_scaled(w):
+    """An e4m3 tile as bf16 holding w / E4M3_BF16_UNIT (module docstring)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 z, a, b, t;
+        mov.b32 z, 0;
+        prmt.b32 a, $2, z, 0x1404;
+        prmt.b32 b, $2, z, 0x3424;
+        and.b32 t, a, 0x7F007F00;
+        shr.b32 t, t, 4;
+        lop3.b32 $0, a, 0x80008000, t, 0xea;
+        and.b32 t, b, 0x7F007F00;
+        shr.b32 t, t, 4;
+        lop3.b32 $1, b, 0x80008000, t, 0xea;
+        }""",
+        constraints="=r,=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
