@@ -113,11 +113,15 @@ def fp8_linear_w8a16_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
     return y.to(x.dtype)
 
 
-def fp8_decode_rows(x: torch.Tensor, config: KernelConfig = DEFAULT_KERNELS, moe: bool = False) -> int:
+def fp8_decode_rows(x: torch.Tensor, block: tuple[int, int] | None, config: KernelConfig = DEFAULT_KERNELS,
+                    moe: bool = False) -> int:
     """x's row count where the decode path reads fp8 weights into the bf16 decode kernels (W8A16:
-    a GPU with FP8, <= 16 rows of bf16/fp16; the routed MoE experts with config.fp8_moe_w8a16, the
-    skinny GEMM with config.fp8_dense_w8a16), else 0."""
+    a GPU with FP8, <= 16 rows of bf16/fp16, a K block that K tiles can divide (a power of two >=
+    16); the routed MoE experts with config.fp8_moe_w8a16, the skinny GEMM with
+    config.fp8_dense_w8a16), else 0."""
     if not ((config.fp8_moe_w8a16 if moe else config.fp8_dense_w8a16) and has_fp8_compute(x.device)):
+        return 0
+    if block is not None and (block[1] < 16 or block[1] & (block[1] - 1)):
         return 0
     return decode_rows(x, config)
 
@@ -128,7 +132,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
     launched with PDL), else the reference (a GPU without FP8 runs the reference too: dequantize
     then matmul). At decode sizes with config.fp8_dense_w8a16: fp8_linear_w8a16_ref's contract, on
     the bf16 skinny GEMM reading the fp8 weight."""
-    rows = fp8_decode_rows(x, config)
+    rows = fp8_decode_rows(x, block, config)
     if rows:
         from tandem.kernels.triton.linear import skinny_linear_triton
         y = skinny_linear_triton(x.reshape(rows, x.shape[-1]), w, pdl=config.pdl, w_scale=w_scale,
@@ -159,7 +163,7 @@ def fp8_linear_add_norm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     apply. x: [T, K]; w: [N, K] fp8; residual: [T, N]; norm_weight: [N]."""
     if not (_decode_tile(x, block, config) and norm_weight.dtype == residual.dtype == x.dtype):
         return None
-    if fp8_decode_rows(x, config):
+    if fp8_decode_rows(x, block, config):
         from tandem.kernels.triton.linear import skinny_linear_add_norm_triton
         s, sg, ss = skinny_linear_add_norm_triton(x, w, residual, norm_weight, pdl=config.pdl, w_scale=w_scale,
                                                   block=block, int_convert=config.fp8_int_convert)
@@ -175,7 +179,7 @@ def fp8_linear_normed(p: PendingNorm, w: torch.Tensor, w_scale: torch.Tensor, bl
     row's 1/rms (no norm launch), else the norm then fp8_linear."""
     if not (_decode_tile(p.sg, block, config) and p.ss.shape[0] == 16):
         return fp8_linear(p.normed(config), w, w_scale, block, bias, config)
-    if fp8_decode_rows(p.sg, config):
+    if fp8_decode_rows(p.sg, block, config):
         from tandem.kernels.triton.linear import skinny_linear_normed_triton
         y = skinny_linear_normed_triton(p.sg, w, p.ss, p.eps, pdl=config.pdl, w_scale=w_scale, block=block,
                                         int_convert=config.fp8_int_convert)

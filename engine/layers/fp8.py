@@ -208,10 +208,8 @@ class Fp8FusedMoE:
         kernels reading the fp8 weights (W8A16), routing in the first GEMM and the norms fused as
         for bf16; else routing, then the FP8 experts."""
         rows = x.sg if isinstance(x, PendingNorm) else x
-        block = self.fp8_block
-        k_block_ok = block is None or (block[1] >= 16 and block[1] & (block[1] - 1) == 0)  # a dot's K tile
-        return (isinstance(self.dispatcher, NoDispatch) and k_block_ok
-                and fp8_decode_rows(rows, self.kernels, moe=True) > 0)
+        return isinstance(self.dispatcher, NoDispatch) and fp8_decode_rows(rows, self.fp8_block, self.kernels,
+                                                                           moe=True) > 0
 
     @property
     def _expert_scales(self) -> tuple:

@@ -64,6 +64,30 @@ def dot_w(acc, a, w, ws_ptrs, k0, K, k_per_scale, n_mask, W_SCALE: tl.constexpr,
 
 
 @triton.jit
+def scale_back(acc, ws_ptrs, n_mask, W_SCALE: tl.constexpr, FAST_CVT: tl.constexpr):
+    """A sum of dot_w tiles in the weight's units: undoes FAST_CVT's 1 / E4M3_BF16_UNIT and applies
+    the per-channel scales (W_SCALE 1; block scales went in per tile)."""
+    if FAST_CVT:
+        acc *= E4M3_BF16_UNIT
+    if W_SCALE == 1:
+        acc *= tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
+    return acc
+
+
+def w8_scale_args(scale: torch.Tensor | None, block: tuple[int, int] | None,
+                  placeholder: torch.Tensor) -> tuple[tuple, int]:
+    """dot_w's (ws, stride of ws's output-row dim, rows_per_scale, k_per_scale) and W_SCALE for fp8
+    weight scales [..., N] (per channel, block None) or [..., N / bn, K / bk] (block); for a bf16
+    weight (scale None) placeholders and W_SCALE 0."""
+    if scale is None:
+        return (placeholder, 0, 1, 1), 0
+    scale = scale.contiguous()
+    if block is None:
+        return (scale, 1, 1, 1), 1
+    return (scale, scale.stride(-2), block[0], block[1]), 2
+
+
+@triton.jit
 def pend_norm(s, g, mask):
     """The producer side of a pending RMSNorm (NORM_OUT; also the MoE top-k sum): for the new
     residual s (the output plus the residual, rounded to the output dtype as the reference rounds
@@ -154,10 +178,7 @@ def _skinny_gemm_kernel(
                     n_mask, W_SCALE, FAST_CVT)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if FAST_CVT:
-        acc *= E4M3_BF16_UNIT
-    if W_SCALE == 1:
-        acc *= tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
+    acc = scale_back(acc, ws_ptrs, n_mask, W_SCALE, FAST_CVT)
     out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
     sg_ptrs = sg_ptr + rm[:, None] * stride_gm + rn[None, :]
     strips = tl.num_programs(0)
@@ -227,17 +248,6 @@ def w8a16_plans(shapes: list[tuple[int, int]], block_k: int | None, sms: int = 1
     return out
 
 
-def _fp8_meta(weight: torch.Tensor, w_scale: torch.Tensor | None, block: tuple[int, int] | None) -> tuple:
-    """(ws, stride, rows_per_scale, k_per_scale, W_SCALE) of a weight: fp8 with its scales
-    (kernels/fp8.py layouts) or unscaled (W_SCALE 0, placeholders)."""
-    if w_scale is None:
-        return weight, 0, 1, 1, 0
-    w_scale = w_scale.contiguous()
-    if block is None:
-        return w_scale, 1, 1, 1, 1
-    return w_scale, w_scale.stride(0), block[0], block[1], 2
-
-
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, cfg: dict | None = None,
                          pdl: bool = True, w_scale: torch.Tensor | None = None,
                          block: tuple[int, int] | None = None, int_convert: bool = True) -> torch.Tensor:
@@ -281,7 +291,7 @@ def _launch(x, weight, cfg, pdl, norm_out=None, norm_in=None, w8=(None, None, Tr
     if m > MAX_ROWS or weight.shape[1] != k:
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} (at most {MAX_ROWS} rows), weight {tuple(weight.shape)}")
     w_scale, block, int_convert = w8
-    ws, stride_wsn, rows_per_scale, k_per_scale, w_scale_kind = _fp8_meta(weight, w_scale, block)
+    ws_args, w_scale_kind = w8_scale_args(w_scale, block, weight)
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -307,7 +317,7 @@ def _launch(x, weight, cfg, pdl, norm_out=None, norm_in=None, w8=(None, None, Tr
     _skinny_gemm_kernel[(strips, split)](
         x, weight, out, part, tickets(x.device), m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         residual, norm_weight, sg, ss, ss_in, ss_in.shape[1] if norm_in is not None else 1, eps,
-        residual.stride(0), sg.stride(0), ws, stride_wsn, rows_per_scale, k_per_scale,
+        residual.stride(0), sg.stride(0), *ws_args,
         BLOCK_M=MAX_ROWS, SPLIT_K=split, EVEN_K=k % (split * cfg["BLOCK_K"]) == 0,
         PRELOAD=cfg.pop("PRELOAD", True), NORM_OUT=norm_out is not None, NORM_IN=norm_in is not None,
         S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in is not None else 1, W_SCALE=w_scale_kind,

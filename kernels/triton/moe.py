@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.triton.device import MAX_TICKETS, tickets
-from tandem.kernels.triton.e4m3 import E4M3_BF16_UNIT, fast_cvt
-from tandem.kernels.triton.linear import MAX_ROWS, dot_w, pend_norm, pending_rstd
+from tandem.kernels.triton.e4m3 import fast_cvt
+from tandem.kernels.triton.linear import MAX_ROWS, dot_w, pend_norm, pending_rstd, scale_back, w8_scale_args
 from tandem.kernels.triton.moe_align import _align
 from tandem.kernels.triton.pdl import launch_args, wait_previous
 from tandem.kernels.triton.routing import check_routing, topk_of_rows, topk_routing_triton
@@ -103,7 +103,7 @@ def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, topk_w_ptr,
     N, K, stride_am, stride_we, stride_wn, stride_om, num_n_tiles, num_experts, sum_ptr, ticket_ptr,
     logits_ptr, stride_l, ss_in_ptr, in_strips, eps, res_ptr, g_ptr, sg_ptr, ss_ptr,
-    ws_ptr, stride_wse, stride_wsn, rows_per_scale, k_per_scale,
+    ws_ptr, stride_wsn, rows_per_scale, k_per_scale, stride_wse,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, GATED: tl.constexpr,
     PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, FUSED_SUM: tl.constexpr, K_PAD: tl.constexpr,
@@ -198,13 +198,9 @@ def _grouped_gemm_kernel(
             acc_up = dot_w(acc_up, a, w_up, ws_up_ptrs, k0, K, k_per_scale, n_mask, W_SCALE, FAST_CVT)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if FAST_CVT:
-        acc *= E4M3_BF16_UNIT
-        acc_up *= E4M3_BF16_UNIT
-    if W_SCALE == 1:
-        acc *= tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
-        if GATED:
-            acc_up *= tl.load(ws_up_ptrs, mask=n_mask, other=0.0)[None, :]
+    acc = scale_back(acc, ws_ptrs, n_mask, W_SCALE, FAST_CVT)
+    if GATED:
+        acc_up = scale_back(acc_up, ws_up_ptrs, n_mask, W_SCALE, FAST_CVT)
     if NORM_IN:
         acc *= rstd[:, None]
         acc_up *= rstd[:, None]
@@ -308,17 +304,6 @@ def routed_experts_triton(
                           norm_in=norm_in, norm_out=norm_out, pdl=pdl, scales=scales, int_convert=int_convert)
 
 
-def _w_scales(scale: torch.Tensor | None, block: tuple[int, int] | None, placeholder: torch.Tensor) -> tuple:
-    """The kernel's (ws, stride_wse, stride_wsn, rows_per_scale, k_per_scale) and W_SCALE for an
-    expert stack's scales [E, N] (per channel) or [E, N / bn, K / bk] (block); placeholders for bf16."""
-    if scale is None:
-        return (placeholder, 0, 0, 1, 1), 0
-    scale = scale.contiguous()
-    if block is None:
-        return (scale, scale.stride(0), 1, 1, 1), 1
-    return (scale, scale.stride(0), scale.stride(1), block[0], block[1]), 2
-
-
 def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, router: tuple | None = None,
                    norm_in: tuple | None = None, norm_out: tuple | None = None, pdl: bool = True,
                    scales: tuple | None = None, int_convert: bool = True):
@@ -348,8 +333,9 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
 
     # the two GEMMs may be tuned apart: BLOCK_K2, num_warps2, ... override the shared keys
     meta1, meta2 = (dict(moe_gemm_meta(cfg, i, block[1] if block else None), TOP_K=top_k) for i in (1, 2))
-    ws13, kind = _w_scales(w13_scale, block, out)
-    ws2, _ = _w_scales(w2_scale, block, out)
+    # dot_w's scale arguments, then the stride between experts' scales
+    (ws13, kind), (ws2, _) = (w8_scale_args(s, block, out) for s in (w13_scale, w2_scale))
+    ws13, ws2 = ((*ws, ws[0].stride(0) if kind else 0) for ws in (ws13, ws2))
     fast = kind > 0 and int_convert and fast_cvt(x, w13)
 
     pairs = cfg.get("PAIRS", num_pairs <= _PAIR_BLOCKS)
