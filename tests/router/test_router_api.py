@@ -107,5 +107,6 @@ def test_openai_client_through_the_router(pd_router):
                                           stream=True)
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chat) == "Hello, world!"
     pd_router.prefill.fail_status = 500
+    pd_router.decode.delay_s = 0.5  # as a real write-mode decode, silent while its prefill fails (test_router_pd)
     with pytest.raises(openai.InternalServerError, match="p0 fails on purpose"):
         client.completions.create(model="fake-model", prompt="hi", max_tokens=4)
