@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import ENGINE_ARGS, KV_CONFIG, Proc, collocated_answers, wait_all_blocks_free
-from tests.ports import free_port
+from tests.ports import free_port_range
 
 pytestmark = pytest.mark.slow
 
@@ -70,9 +70,11 @@ def expected(model_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["read", "write"])
 def test_n_and_batched_prompts_match_collocated(model_dir, tmp_path, expected, mode):
-    prefill, decode = (free_port(), free_port()), (free_port(), free_port())
+    # one reserved block: registry, then HTTP, KV handshake, KV data (KV + 1) per instance
+    base = free_port_range(7)
+    prefill, decode = (base + 1, base + 2), (base + 4, base + 5)
     tree = Proc("disagg", ["--role", "disagg", "--model", str(model_dir), "--served-model-name", "default",
-                           *ENGINE_ARGS, "--kv-mode", mode, "--registry-port", str(free_port()),
+                           *ENGINE_ARGS, "--kv-mode", mode, "--registry-port", str(base),
                            "--prefill-ports", "%d:%d" % prefill, "--decode-ports", "%d:%d" % decode,
                            "--kv-transfer-config", KV_CONFIG], tmp_path)
     try:

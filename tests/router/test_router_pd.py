@@ -72,6 +72,8 @@ def test_write_mode_reaches_both_with_matching_transfer(pd_router):
     assert sse_events(resp.text)[-1] == "[DONE]"
 
     p, d = pd_router.prefill, pd_router.decode
+    # the relay of D's stream may end before P's request reached the fake (P is awaited only after)
+    wait_for(lambda: p.received, 5, "prefill's request recorded")
     p_body, d_body = p.bodies()[0], d.bodies()[0]
     p_kv, d_kv = p_body["kv_transfer_params"], d_body["kv_transfer_params"]
     assert len(p_kv["transfer_id"]) == 32 and p_kv["transfer_id"] == d_kv["transfer_id"]
