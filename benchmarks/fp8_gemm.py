@@ -174,7 +174,9 @@ def _cold_candidates(m: int, n: int, k: int, block_k) -> list[dict]:
     base = default_plan(bucket, n, k, block_k)
     out = []
     quants = (True, False) if bucket == 16 else (False,)
-    for bn, split, warps, quant in itertools.product((16, 32, 64), (1, 2, 4, 8, 16), (2, 4), quants):
+    # wider strips and more warps at 64 rows, where each strip re-reads the rows' activation tiles
+    widths, warp_counts = ((16, 32, 64, 128), (2, 4, 8)) if bucket == 64 else ((16, 32, 64), (2, 4))
+    for bn, split, warps, quant in itertools.product(widths, (1, 2, 4, 8, 16), warp_counts, quants):
         if k % (split * base["BLOCK_K"]) == 0 and k // split >= base["BLOCK_K"]:
             out.append(dict(base, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, QUANT=quant))
     return out

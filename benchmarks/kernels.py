@@ -339,26 +339,32 @@ def sweep_chunk_attention():
                 print(f"sweep chunk {chunk}@{ctx} {plan}: failed {str(e).splitlines()[0][:60]}")
 
 
-def sweep_decode_attention():
+def sweep_decode_attention(kv_dtype: torch.dtype = BF16):
     """Decode launch plans as a CUDA graph runs them: max_seq_len = max_model_len (8192), so the
-    split count is fixed for the longest context and the keys per split adapt at run time."""
+    split count is fixed for the longest context and the keys per split adapt at run time. With an
+    fp8 cache (kv_dtype) as the engine's --kv-cache-dtype fp8 stores it; GB/s counts K and V bytes."""
     from tandem.kernels.triton.attention import _launch_plans
-    for batch, ctx in [(1, 1024), (1, 4096), (8, 1024), (64, 1024)]:
+    for batch, ctx in [(1, 1024), (64, 1024), (64, 4096)]:
         q, kc, vc, bt, sl, qsl = paged_setup(batch, ctx, 1)
-        default = _launch_plans(q, HQ // HK, batch, HK, 1, 8192)[0]
+        kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
+        kv = 2 * batch * ctx * HK * D * kc.element_size()
+        default = _launch_plans(q, HQ // HK, batch, HK, 1, 8192, kv_bytes=kc.element_size())[0]
         t = bench(lambda: paged_attention_triton(q, kc, vc, bt, sl, qsl, D**-0.5, 1, 8192))
-        print(f"sweep decode B={batch} ctx={ctx} default {default}: {t * 1e3:.1f} us")
-        for bn, splits, w, st in itertools.product((32, 64, 128), (16, 32, 64), (2, 4), (2, 3)):
-            if splits > default["NUM_SPLITS"] * 2:
-                continue
-            plan = dict(default, BLOCK_N=bn, NUM_SPLITS=splits, num_warps=w, num_stages=st)
+        print(f"sweep decode B={batch} ctx={ctx} {kv_dtype} default {default}: {t * 1e3:.1f} us "
+              f"{kv / t / 1e6:.0f} GB/s", flush=True)
+        if default["NUM_SPLITS"] == 1:  # the grid fills the GPU: few or no splits
+            space = itertools.product((64, 128), (1, 2), (4, 8), (2, 3, 4), (False, True))
+        else:
+            space = itertools.product((32, 64, 128), (16, 32, 64), (2, 4), (2,), (False, True))
+        for bn, splits, w, st, scalar in space:
+            plan = dict(default, BLOCK_N=bn, NUM_SPLITS=splits, num_warps=w, num_stages=st, BT_SCALAR=scalar)
             plan.pop("Q_RANGE")
             try:
                 t = bench(lambda: _paged_attention(q, kc, vc, bt, sl, qsl, D**-0.5, 1, 8192, plan=plan))
             except Exception as e:  # out of shared memory etc.
                 print(f"sweep decode B={batch} ctx={ctx} {plan}: failed {str(e).splitlines()[0][:60]}")
                 continue
-            print(f"sweep decode B={batch} ctx={ctx} {plan}: {t * 1e3:.1f} us")
+            print(f"sweep decode B={batch} ctx={ctx} {plan}: {t * 1e3:.1f} us {kv / t / 1e6:.0f} GB/s", flush=True)
 
 
 def sweep_moe():
@@ -415,12 +421,15 @@ def main():
                         help="comma-separated: attention,store,norm,rotary,rotary_store,routing,silu,moe "
                              "(and decode, chunk: a --sweep of decode / chunked-prefill attention plans only)")
     parser.add_argument("--sweep", action="store_true", help="time tile-shape variants first")
+    parser.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16",
+                        help="the cache dtype of the decode sweep (fp8: e4m3, as --kv-cache-dtype fp8)")
     args = parser.parse_args()
     torch.manual_seed(0)
     only = args.only.split(",") if args.only else list(SECTIONS)
     if args.sweep:
-        sweeps = dict(attention=sweep_attention, chunk=sweep_chunk_attention, decode=sweep_decode_attention,
-                      moe=sweep_moe)
+        kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else BF16
+        sweeps = dict(attention=sweep_attention, chunk=sweep_chunk_attention,
+                      decode=lambda: sweep_decode_attention(kv_dtype), moe=sweep_moe)
         for name, fn in sweeps.items():
             if name in only:
                 fn()
