@@ -342,12 +342,15 @@ def sweep_chunk_attention():
 def sweep_decode_attention(kv_dtype: torch.dtype = BF16):
     """Decode launch plans as a CUDA graph runs them: max_seq_len = max_model_len (8192), so the
     split count is fixed for the longest context and the keys per split adapt at run time. With an
-    fp8 cache (kv_dtype) as the engine's --kv-cache-dtype fp8 stores it; GB/s counts K and V bytes."""
+    fp8 cache (kv_dtype) as the engine's --kv-cache-dtype fp8 stores it; GB/s counts K and V bytes.
+    Each plan's output is checked against paged_attention_ref first (relative error < 1e-2)."""
+    from tandem.kernels.attention import paged_attention_ref
     from tandem.kernels.triton.attention import _launch_plans
     for batch, ctx in [(1, 1024), (64, 1024), (64, 4096)]:
         q, kc, vc, bt, sl, qsl = paged_setup(batch, ctx, 1)
         kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
         kv = 2 * batch * ctx * HK * D * kc.element_size()
+        ref = paged_attention_ref(q, kc, vc, bt, sl, qsl, D**-0.5).float()
         default = _launch_plans(q, HQ // HK, batch, HK, 1, 8192, kv_bytes=kc.element_size())[0]
         t = bench(lambda: paged_attention_triton(q, kc, vc, bt, sl, qsl, D**-0.5, 1, 8192))
         print(f"sweep decode B={batch} ctx={ctx} {kv_dtype} default {default}: {t * 1e3:.1f} us "
@@ -359,10 +362,15 @@ def sweep_decode_attention(kv_dtype: torch.dtype = BF16):
         for bn, splits, w, st, scalar in space:
             plan = dict(default, BLOCK_N=bn, NUM_SPLITS=splits, num_warps=w, num_stages=st, BT_SCALAR=scalar)
             plan.pop("Q_RANGE")
+            run = lambda: _paged_attention(q, kc, vc, bt, sl, qsl, D**-0.5, 1, 8192, plan=plan)  # noqa: E731
             try:
-                t = bench(lambda: _paged_attention(q, kc, vc, bt, sl, qsl, D**-0.5, 1, 8192, plan=plan))
+                err = ((run().float() - ref).norm() / ref.norm()).item()
+                t = bench(run)
             except Exception as e:  # out of shared memory etc.
                 print(f"sweep decode B={batch} ctx={ctx} {plan}: failed {str(e).splitlines()[0][:60]}")
+                continue
+            if not err < 1e-2:
+                print(f"sweep decode B={batch} ctx={ctx} {plan}: WRONG, relative error {err:.3g}", flush=True)
                 continue
             print(f"sweep decode B={batch} ctx={ctx} {plan}: {t * 1e3:.1f} us {kv / t / 1e6:.0f} GB/s", flush=True)
 
