@@ -11,7 +11,7 @@ import pytest
 
 from tests.e2e.conftest import (ENGINE_ARGS, KV_CONFIG, TRANSPORTS, Proc, collocated_answers, metric,
                                 wait_all_blocks_free)
-from tests.ports import free_port
+from tests.ports import free_port_range
 
 PROMPTS = [f"Question: Tom has {n} apples and buys {n + 3} more. How many now?\nAnswer:" for n in range(12)]
 PROMPTS += ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -74,7 +74,7 @@ def expected(model_dir, tmp_path_factory):
 
 def start_deployment(model_dir, log_dir, mode: str, num_prefill: int = 1, num_decode: int = 1,
                      instance_timeout: float = 5.0, extra_args: tuple[str, ...] = (), transport: str = "tcp"):
-    registry = free_port()
+    registry = free_port_range(1)  # each process's other ports come from its own ServerProcess block
     router = Proc("router", ["--role", "router", "--registry-port", str(registry), "--kv-mode", mode,
                              "--instance-timeout", str(instance_timeout), "--request-timeout", "60"], log_dir)
     router_reg = f"127.0.0.1:{registry}"

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import ENGINE_ARGS, Proc, collocated_answers, wait_all_blocks_free
-from tests.ports import free_port
+from tests.ports import free_port_range
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +66,7 @@ def _moe_model(model_dir, out):
 class Tree:
     def __init__(self, path, tp_flags, log_dir):
         self.path, self.tp_flags, self.log_dir = path, tp_flags, log_dir
-        self.registry = free_port()
+        self.registry = free_port_range(1)  # kept across router restarts; the rest: each process's block
         self.router = None
         self.instances: dict[str, Proc] = {}
 

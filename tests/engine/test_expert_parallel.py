@@ -8,7 +8,7 @@ import torch.multiprocessing as mp
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.config import EngineConfig
 from tests.engine.test_tensor_parallel import assert_same_generation
-from tests.ports import free_port
+from tests.ports import free_port_range
 
 PROMPTS = [[3, 17, 29], list(range(40, 75)), [9] * 11, [5, 6]]
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
@@ -19,7 +19,7 @@ def test_expert_parallel_over_tp_ranks(tiny_models, arch, placement):
     path = tiny_models[arch][0]
     ref = LLM(path, block_size=4).generate(PROMPTS, PARAMS)
     llm = LLM(path, block_size=4, tensor_parallel_size=2, enable_expert_parallel=True,
-              expert_placement_strategy=placement, master_port=free_port())
+              expert_placement_strategy=placement, master_port=free_port_range(1))
     try:
         assert [m.mlp.w13.shape[0] for m in llm.engine.runner.model.model.layers if hasattr(m.mlp, "w13")][0] == \
             (8 if arch == "qwen3_moe" else 4) // 2
@@ -74,7 +74,7 @@ def test_lockstep_data_parallel_expert_parallel(tiny_models, backend, placement,
     path = tiny_models["qwen3_moe"][0]
     ref = LLM(path, block_size=4).generate(PROMPTS, PARAMS)
     kwargs = dict(model=path, block_size=4, data_parallel_size=len(split), enable_expert_parallel=True,
-                  all2all_backend=backend, expert_placement_strategy=placement, master_port=free_port(),
+                  all2all_backend=backend, expert_placement_strategy=placement, master_port=free_port_range(1),
                   max_num_batched_tokens=16, device="cpu")
     results = run_dp_ranks(kwargs, split)
     assert len({results[r][1] for r in range(len(split))}) == 1  # every rank took the same steps
@@ -95,7 +95,7 @@ def test_lockstep_dp_ep_async_scheduling(tiny_models, split):
     params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
     ref = LLM(path, block_size=4, async_scheduling=False).generate(PROMPTS, params)
     kwargs = dict(model=path, block_size=4, data_parallel_size=len(split), enable_expert_parallel=True,
-                  all2all_backend="naive", master_port=free_port(), max_num_batched_tokens=16, device="cpu",
+                  all2all_backend="naive", master_port=free_port_range(1), max_num_batched_tokens=16, device="cpu",
                   async_scheduling=True)
     results = run_dp_ranks(kwargs, split, params)
     assert len({results[r][1] for r in range(len(split))}) == 1

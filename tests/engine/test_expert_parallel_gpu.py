@@ -7,7 +7,7 @@ import torch
 from tandem.engine import LLM, SamplingParams
 from tests.engine.test_expert_parallel import PARAMS, PROMPTS, run_dp_ranks
 from tests.engine.test_tensor_parallel import assert_same_generation
-from tests.ports import free_port
+from tests.ports import free_port_range
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 COMMON = dict(block_size=16, dtype="float32", num_gpu_blocks_override=128, max_num_batched_tokens=64,
@@ -26,7 +26,7 @@ def reference(tiny_models):
     ("naive", [[0, 1, 2, 3], []]), ("a2a", [[1], [0, 2, 3]]), ("ipc", [[0, 1, 2, 3], []]), ("ipc", [[1], [0, 2, 3]])])
 def test_lockstep_dp_ep_gpu(tiny_models, reference, backend, split):
     kwargs = dict(model=tiny_models["qwen3_moe"][0], data_parallel_size=2, enable_expert_parallel=True,
-                  all2all_backend=backend, expert_placement_strategy="round_robin", master_port=free_port(),
+                  all2all_backend=backend, expert_placement_strategy="round_robin", master_port=free_port_range(1),
                   device="auto", **COMMON)
     results = run_dp_ranks(kwargs, split)
     for r, idx in enumerate(split):
@@ -44,7 +44,7 @@ def test_lockstep_dp_ep_async_gpu(tiny_models):
     ref = LLM(path, device="cuda", async_scheduling=False, **COMMON).generate(PROMPTS, params)
     split = [[1], [0, 2, 3]]
     kwargs = dict(model=path, data_parallel_size=2, enable_expert_parallel=True, all2all_backend="ipc",
-                  master_port=free_port(), device="auto", async_scheduling=True, **COMMON)
+                  master_port=free_port_range(1), device="auto", async_scheduling=True, **COMMON)
     results = run_dp_ranks(kwargs, split, params)
     for r, idx in enumerate(split):
         assert [results[r][0][f"{r}-{j}"][0] for j in range(len(idx))] == [ref[i].token_ids for i in idx]
@@ -52,7 +52,7 @@ def test_lockstep_dp_ep_async_gpu(tiny_models):
 
 def test_ep_over_tp_gpu(tiny_models, reference):
     llm = LLM(tiny_models["qwen3_moe"][0], device="cuda", tensor_parallel_size=2, enable_expert_parallel=True,
-              master_port=free_port(), **COMMON)
+              master_port=free_port_range(1), **COMMON)
     try:
         out = llm.generate(PROMPTS, PARAMS)
     finally:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tandem.engine import LLM, SamplingParams
-from tests.ports import free_port
+from tests.ports import free_port_range
 
 PROMPTS = [[3, 17, 29], list(range(40, 75)), [9] * 11]
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
@@ -23,7 +23,7 @@ def assert_same_generation(out, ref, atol: float = 1e-4) -> None:
 def test_tensor_parallel_matches_single_process(tiny_models, arch, tp):
     path = tiny_models[arch][0]
     ref = LLM(path, block_size=4).generate(PROMPTS, PARAMS)
-    llm = LLM(path, block_size=4, tensor_parallel_size=tp, master_port=free_port(), max_num_batched_tokens=16)
+    llm = LLM(path, block_size=4, tensor_parallel_size=tp, master_port=free_port_range(1), max_num_batched_tokens=16)
     try:
         out = llm.generate(PROMPTS, PARAMS)
     finally:
@@ -44,7 +44,7 @@ def test_tensor_parallel_async_scheduling(tiny_models, arch):
               SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[probe.token_ids[5]]),
               SamplingParams(max_tokens=7, temperature=0.7, seed=3, ignore_eos=True)]
     ref = sync.generate(PROMPTS, params)
-    llm = LLM(path, block_size=4, tensor_parallel_size=2, master_port=free_port(), max_num_batched_tokens=16)
+    llm = LLM(path, block_size=4, tensor_parallel_size=2, master_port=free_port_range(1), max_num_batched_tokens=16)
     try:
         assert llm.engine.async_scheduling
         launch, ahead = llm.engine.runner.launch, []

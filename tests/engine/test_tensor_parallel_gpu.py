@@ -6,7 +6,7 @@ import torch
 
 from tandem.engine import LLM, SamplingParams
 from tests.engine.test_gpu import PROMPTS, _hf_logprobs
-from tests.engine.test_tensor_parallel import free_port
+from tests.ports import free_port_range
 
 pytestmark = pytest.mark.gpu
 
@@ -15,8 +15,8 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_tp2_matches_hf(tiny_models, arch):
     path, hf = tiny_models[arch]
-    llm = LLM(path, device="cuda", compile_ahead=False, dtype="float32", tensor_parallel_size=2, master_port=free_port(),
-              num_gpu_blocks_override=256, max_num_batched_tokens=64)
+    llm = LLM(path, device="cuda", compile_ahead=False, dtype="float32", tensor_parallel_size=2,
+              master_port=free_port_range(1), num_gpu_blocks_override=256, max_num_batched_tokens=64)
     try:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0))
     finally:
@@ -38,8 +38,9 @@ def test_tp2_async_scheduling_gpu(tiny_models, arch):
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     outs = []
     for async_scheduling in (False, True):
-        llm = LLM(path, device="cuda", compile_ahead=False, dtype="float32", tensor_parallel_size=2, master_port=free_port(),
-                  num_gpu_blocks_override=256, max_num_batched_tokens=64, async_scheduling=async_scheduling)
+        llm = LLM(path, device="cuda", compile_ahead=False, dtype="float32", tensor_parallel_size=2,
+                  master_port=free_port_range(1), num_gpu_blocks_override=256, max_num_batched_tokens=64,
+                  async_scheduling=async_scheduling)
         try:
             outs.append([o.token_ids for o in llm.generate(PROMPTS, params)])
         finally:

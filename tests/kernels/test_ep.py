@@ -13,7 +13,7 @@ from tandem.kernels.ep import make_dispatcher
 from tandem.kernels.ep.fp8 import dequantize_rows, quantize_rows
 from tandem.kernels.ep.placement import ExpertMap, local_experts
 from tandem.kernels.moe import fused_experts_ref
-from tests.ports import free_port as _free_port
+from tests.ports import free_port_range
 
 E, K, H, I = 8, 2, 32, 16
 
@@ -113,7 +113,7 @@ def ep_results(tmp_path_factory) -> dict[str, list[str]]:
     before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"  # inherited by the spawned ranks only
     try:
-        mp.spawn(_worker, args=(world, _free_port(), out_dir), nprocs=world)
+        mp.spawn(_worker, args=(world, free_port_range(1), out_dir), nprocs=world)
     finally:
         if before is None:
             del os.environ["TRITON_INTERPRET"]

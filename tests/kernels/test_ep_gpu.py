@@ -14,7 +14,7 @@ from tandem.kernels.ep import make_dispatcher
 from tandem.kernels.ep.fp8 import dequantize_rows, quantize_rows
 from tandem.kernels.ep.placement import local_experts
 from tandem.kernels.moe import fused_experts, fused_experts_ref
-from tests.ports import free_port
+from tests.ports import free_port_range
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
@@ -150,7 +150,7 @@ def gpu_results(tmp_path_factory) -> dict[str, list[str]]:
     out_dir = tmp_path_factory.mktemp("ep_gpu")
     merged: dict[str, list[str]] = {}
     try:
-        _spawn(_worker, (free_port(), out_dir), WORLD, timeout_s=110)
+        _spawn(_worker, (free_port_range(1), out_dir), WORLD, timeout_s=110)
     except Exception as e:  # reported by every case that did not finish
         merged["crash"] = [f"{type(e).__name__}: {str(e)[-3000:]}"]
     per_rank = [torch.load(out_dir / f"{r}.pt") if (out_dir / f"{r}.pt").exists() else {} for r in range(WORLD)]

@@ -2,7 +2,7 @@
 the two "nodes" (loopback). Reference: the greedy output of a single-process server."""
 import httpx
 
-from tests.ports import free_port
+from tests.ports import free_port_range
 from tests.server.conftest import ServerProcess
 
 PROMPT = "Question: Tom has 3 apples and buys 5 more. How many?\nAnswer:"
@@ -20,7 +20,7 @@ def test_node_rank_one_joins_node_zero(tiny_model_dir, tmp_path):
     finally:
         reference.stop()
     multi = ["--served-model-name", "m", "--tensor-parallel-size", "2", "--nnodes", "2",
-             "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+             "--master-addr", "127.0.0.1", "--master-port", str(free_port_range(1))]
     node1 = ServerProcess.for_model(tiny_model_dir, tmp_path / "node1.log", *multi, "--node-rank", "1")
     node0 = ServerProcess.for_model(tiny_model_dir, tmp_path / "node0.log", *multi, "--node-rank", "0")
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from tandem.server.__main__ import split_role
-from tests.ports import free_port
+from tests.ports import free_port_range
 from tests.server.conftest import ServerProcess
 
 
@@ -35,7 +35,7 @@ def _wait_answering(router: ServerProcess, timeout: float = 60.0) -> httpx.Respo
 def test_router_role_is_the_router_process(tmp_path: Path) -> None:
     key_file = tmp_path / "key"
     key_file.write_text("router-key\n")
-    router = ServerProcess(tmp_path / "router.log", ["--role", "router", "--registry-port", str(free_port()),
+    router = ServerProcess(tmp_path / "router.log", ["--role", "router", "--registry-port", str(free_port_range(1)),
                                                       "--api-key-file", str(key_file)])
     try:
         health = _wait_answering(router)
@@ -58,7 +58,7 @@ def test_router_role_port_taken_exits_1() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         proc = subprocess.run([sys.executable, "-m", "tandem.server", "--role", "router", "--host", "127.0.0.1",
-                               "--port", str(port), "--registry-port", str(free_port())],
+                               "--port", str(port), "--registry-port", str(free_port_range(1))],
                               capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1, proc.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from conftest import NUM_BLOCKS, ServerProcess, pid_alive
-from tests.ports import free_port
+from tests.ports import free_port_range
 
 PROMPTS = [[5, 9, 33, 71], list(range(40, 70)), [7] * 13, [100, 3], [8, 8, 9]]
 
@@ -46,7 +46,7 @@ def test_data_parallel_expert_parallel_server(moe_model_dir, tmp_path):
         PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     srv = ServerProcess.for_model(moe_model_dir, tmp_path / "dp.log", "--data-parallel-size", "2",
                                   "--enable-expert-parallel", "--all2all-backend", "a2a",
-                                  "--master-port", str(free_port())).wait_healthy()
+                                  "--master-port", str(free_port_range(1))).wait_healthy()
     try:
         def complete(prompt):
             r = httpx.post(f"{srv.url}/v1/completions", timeout=120, json=dict(
@@ -79,7 +79,7 @@ def _engine_cores(srv: ServerProcess) -> list[int]:
 
 def test_killed_data_parallel_rank_takes_the_server_down(moe_model_dir, tmp_path):
     srv = ServerProcess.for_model(moe_model_dir, tmp_path / "dp-kill.log", "--data-parallel-size", "2",
-                                  "--enable-expert-parallel", "--master-port", str(free_port())).wait_healthy()
+                                  "--enable-expert-parallel", "--master-port", str(free_port_range(1))).wait_healthy()
     try:
         cores = _engine_cores(srv)
         assert len(cores) == 2, cores
