@@ -10,6 +10,7 @@ from typing import TypeVar
 import httpx
 import pytest
 
+from tests.ports import free_port_range
 from tests.server.conftest import ServerProcess
 from tests.server.tiny_model import build_tiny_model
 
@@ -32,6 +33,16 @@ def model_dir(tmp_path_factory) -> Path:
 def Proc(name: str, args: list[str], log_dir: Path) -> ServerProcess:
     """One part of a deployment (`python -m tandem.server --role ...`), logging to log_dir/name.log."""
     return ServerProcess(log_dir / f"{name}.log", args)
+
+
+def pd_port_args() -> tuple[list[str], tuple[int, int]]:
+    """A 1P1D `--role disagg` tree's explicit port flags (TP 1) from one reserved block of 7 ports: the
+    registry, then HTTP, KV handshake and KV data (KV + 1) per instance; and the prefill's and the
+    decode's HTTP ports."""
+    base = free_port_range(7)
+    prefill, decode = (base + 1, base + 2), (base + 4, base + 5)
+    return (["--registry-port", str(base), "--prefill-ports", "%d:%d" % prefill, "--decode-ports", "%d:%d" % decode],
+            (prefill[0], decode[0]))
 
 
 def collocated_answers(model, log_dir: Path, ask: Callable[[str], T]) -> T:

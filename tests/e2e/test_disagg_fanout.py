@@ -7,8 +7,7 @@ import json
 import httpx
 import pytest
 
-from tests.e2e.conftest import ENGINE_ARGS, KV_CONFIG, Proc, collocated_answers, wait_all_blocks_free
-from tests.ports import free_port_range
+from tests.e2e.conftest import ENGINE_ARGS, KV_CONFIG, Proc, collocated_answers, pd_port_args, wait_all_blocks_free
 
 pytestmark = pytest.mark.slow
 
@@ -70,13 +69,9 @@ def expected(model_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["read", "write"])
 def test_n_and_batched_prompts_match_collocated(model_dir, tmp_path, expected, mode):
-    # one reserved block: registry, then HTTP, KV handshake, KV data (KV + 1) per instance
-    base = free_port_range(7)
-    prefill, decode = (base + 1, base + 2), (base + 4, base + 5)
+    port_args, http_ports = pd_port_args()
     tree = Proc("disagg", ["--role", "disagg", "--model", str(model_dir), "--served-model-name", "default",
-                           *ENGINE_ARGS, "--kv-mode", mode, "--registry-port", str(base),
-                           "--prefill-ports", "%d:%d" % prefill, "--decode-ports", "%d:%d" % decode,
-                           "--kv-transfer-config", KV_CONFIG], tmp_path)
+                           *ENGINE_ARGS, "--kv-mode", mode, *port_args, "--kv-transfer-config", KV_CONFIG], tmp_path)
     try:
         tree.wait_healthy(240)
         got = answers(tree.url)
@@ -85,6 +80,6 @@ def test_n_and_batched_prompts_match_collocated(model_dir, tmp_path, expected, m
         n_choices = [len(w["choices"]) for w in expected]
         assert n_choices == [3, 3, 4, 3, 3, 2]
         assert len(set(expected[1]["choices"].values())) > 1  # seeded samples differ from one another
-        wait_all_blocks_free([f"http://127.0.0.1:{prefill[0]}", f"http://127.0.0.1:{decode[0]}"])
+        wait_all_blocks_free([f"http://127.0.0.1:{port}" for port in http_ports])
     finally:
         assert tree.stop(90) == 0

@@ -12,8 +12,7 @@ import httpx
 import pytest
 
 from tests.api_fuzz import fuzz
-from tests.e2e.conftest import ENGINE_ARGS, metric, wait_all_blocks_free
-from tests.ports import free_port_range
+from tests.e2e.conftest import ENGINE_ARGS, metric, pd_port_args, wait_all_blocks_free
 from tests.server.conftest import ServerProcess, pid_alive
 
 pytestmark = pytest.mark.slow
@@ -46,14 +45,12 @@ def tree(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("pd-tree")
     key_file = logs / "key"
     key_file.write_text(KEY + "\n")
-    # one reserved block: registry, then HTTP, KV handshake, KV data (KV + 1) per instance
-    base = free_port_range(7)
-    prefill, decode = (base + 1, base + 2), (base + 4, base + 5)
+    port_args, http_ports = pd_port_args()
     proc = ServerProcess(logs / "disagg.log", [
         "--role", "disagg", "--model", str(model_dir), "--served-model-name", "default", *ENGINE_ARGS,
-        "--api-key-file", str(key_file), "--registry-port", str(base), "--shutdown-timeout", "20",
-        "--prefill-ports", "%d:%d" % prefill, "--decode-ports", "%d:%d" % decode, "--kv-transfer-config", SOAK_KV_CONFIG])
-    proc.instance_urls = [f"http://127.0.0.1:{prefill[0]}", f"http://127.0.0.1:{decode[0]}"]
+        "--api-key-file", str(key_file), "--shutdown-timeout", "20", *port_args,
+        "--kv-transfer-config", SOAK_KV_CONFIG])
+    proc.instance_urls = [f"http://127.0.0.1:{port}" for port in http_ports]
     try:
         proc.wait_healthy(240)
         yield proc
