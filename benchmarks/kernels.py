@@ -351,7 +351,7 @@ def sweep_decode_attention(kv_dtype: torch.dtype = BF16):
         kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
         kv = 2 * batch * ctx * HK * D * kc.element_size()
         ref = paged_attention_ref(q, kc, vc, bt, sl, qsl, D**-0.5).float()
-        default = _launch_plans(q, HQ // HK, batch, HK, 1, 8192)[0]
+        default = _launch_plans(q, HQ // HK, batch, HK, 1, 8192, kv_bytes=kc.element_size())[0]
         t = bench(lambda: paged_attention_triton(q, kc, vc, bt, sl, qsl, D**-0.5, 1, 8192))
         print(f"sweep decode B={batch} ctx={ctx} {kv_dtype} default {default}: {t * 1e3:.1f} us "
               f"{kv / t / 1e6:.0f} GB/s", flush=True)

@@ -334,7 +334,7 @@ _ALL_Q = (0, 2**31 - 1)
 
 
 def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
-                  max_query_len: int | None, kv_bound: int, dense: bool = False) -> list[dict]:
+                  max_query_len: int | None, kv_bound: int, dense: bool = False, kv_bytes: int = 2) -> list[dict]:
     """Launches (tile shapes, split count, q_len range each serves) from python bounds only.
 
     A batch that may hold prefills gets two launches: narrow tiles (split-K where the grid is
@@ -342,6 +342,8 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
     launch's programs skip the other's sequences, so decodes never run on 128-row tiles.
     dense: the wide launch reads keys from the new tokens (DENSE); 128 x 64 tiles, 8 warps, 3
     stages measured best for that (the paged plan's 256 x 64 tiles are slower there).
+    kv_bytes: the cache's element size; the narrow tiles over an fp8 cache (1) keep 3 tiles in flight,
+    not 2 (64 decodes at 1k / 4k context on an H200: 6% / 6% faster; a bf16 cache: 1% slower).
     """
     num_tokens, num_heads, head_dim = q.shape
     d_pad = triton.next_power_of_2(head_dim)
@@ -364,7 +366,8 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
         max_by_memory = 2**26 // (num_tokens * num_heads * d_pad * 4)  # partials under 64 MiB
         splits = min(splits, 64, triton.next_power_of_2(max(1, kv_bound // block_n)))
         splits = max(1, min(splits, 2 ** (max(1, max_by_memory).bit_length() - 1)))
-    narrow = dict(BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=4, num_stages=2)
+    narrow = dict(BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=4,
+                  num_stages=3 if kv_bytes == 1 else 2)
     if narrow_only:
         return [dict(narrow, Q_RANGE=_ALL_Q)]
     if small and q.element_size() == 2 and dense:
@@ -431,7 +434,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
                                  or dense_kv[0].stride(-1) != 1 or dense_kv[1].stride(-1) != 1):
         dense_kv = None  # the cache holds something else (another dtype): read it instead
     plans = [dict(plan, Q_RANGE=_ALL_Q)] if plan else _launch_plans(
-        q, group, num_seqs, num_kv_heads, max_query_len, kv_bound, dense_kv is not None)
+        q, group, num_seqs, num_kv_heads, max_query_len, kv_bound, dense_kv is not None, k_cache.element_size())
     k_new, v_new = dense_kv if dense_kv is not None else (k_cache[0], v_cache[0])  # [rows, Hk, D] either way
     rope_args = (q, q, 0, q, q, q, 0.0)  # unused without rope
     if rope is not None:
