@@ -8,10 +8,10 @@ Same contracts and layouts as kernels/fp8.py (fp8_linear_ref, fused_experts_fp8_
 Block-scaled: each K tile (BLOCK_K divides bk) adds dot(a, w) * a_s[:, kb] * w_s[n // bn, kb] to a
 float32 accumulator; per-channel: one dot over K, scaled by a_s * w_s at the end.
 Tiles: up to fp8_skinny.MAX_ROWS rows the decode tile of kernels/triton/fp8_skinny.py (narrow N
-strips, split K, the activation quantization in the GEMM where its plan says so), above it the
-prefill tile here (grouped tile order, plans in gemm_config). The MoE experts reuse the bf16
-kernel's grouping of (token, slot) pairs by expert, its epilogue and its top-k sum
-(kernels/triton/moe.py).
+strips, split K, the activation quantization in the GEMM where its plan says so), above it
+torch's FP8 GEMM (_torch_gemm) or the prefill tile here (grouped tile order, plans in
+gemm_config). The MoE experts reuse the bf16 kernel's grouping of (token, slot) pairs by expert,
+its epilogue and its top-k sum (kernels/triton/moe.py).
 """
 import torch
 import triton
@@ -100,15 +100,16 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, b
                       cfg: dict | None = None, pdl: bool = True) -> torch.Tensor:
     """kernels.fp8.fp8_linear_ref on the GPU (no bias). x: [M, K] bf16/fp16; w: [N, K] fp8 -> [M, N].
     Up to fp8_skinny.MAX_ROWS rows the decode tile (kernels/triton/fp8_skinny.py; pdl: launched with
-    PDL), else the prefill tile. cfg: a plan of either (SPLIT_K in it: the decode tile's)."""
+    PDL), else torch's FP8 GEMM where _torch_gemm takes the operands, else the prefill tile. cfg: a
+    plan of either (SPLIT_K in it: the decode tile's)."""
     _check_block(block)
     m, k = x.shape
     if (cfg is None and fp8_skinny.supports(m, block)) or (cfg is not None and "SPLIT_K" in cfg):
         return fp8_skinny.fp8_skinny_linear_triton(x, w, w_scale, block, cfg, pdl)
     n = w.shape[0]
+    if cfg is None and m > 0 and _torch_gemm(x, w, block):
+        return _torch_fp8_gemm(x, w, w_scale, block)
     xq, xs = quantize_rows_triton(x, w.dtype, block[1] if block else None)
-    if cfg is None and m > 0 and _torch_prefill(x, w, block):
-        return _torch_scaled_mm(xq, xs, w, w_scale, block, x.dtype)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return out
@@ -124,36 +125,37 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, b
     return out
 
 
-def _torch_prefill(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None) -> bool:
+def _torch_gemm(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None) -> bool:
     """Whether prefill rows go to torch's FP8 GEMM, as bf16 prefill goes to cuBLAS: cuBLASLt's
     row-wise _scaled_mm (per-channel) and CUTLASS's 1x128 x 128x128 block-wise scaled_mm ran at
     92-100% and 82-92% of _scaled_mm's speed on an H100 where our prefill tile ran at 78-92% and
-    46-53% (benchmarks/RESULTS.md). CUDA sm_90+ with K and N multiples of 16 (and of 128 for blocks)."""
+    46-53% (at 32-64 decode rows the decode tile beats it: benchmarks/RESULTS.md). CUDA sm_90+
+    with K and N multiples of 16; block-wise, of 128 with K / 128 a multiple of 4 (torch wants the
+    weight scales' K side padded to 4: "scale_b must have shape 4 x 2" at K 256)."""
     if x.device.type != "cuda" or torch.version.cuda is None or torch.cuda.get_device_capability(x.device) < (9, 0):
         return False
     n, k = w.shape
     if block is None:
         return n % 16 == 0 and k % 16 == 0
-    return (tuple(block) == (128, 128) and n % 128 == 0 and k % 128 == 0
+    return (tuple(block) == (128, 128) and n % 128 == 0 and k % 512 == 0
             and hasattr(torch.nn.functional, "scaled_mm") and hasattr(torch.nn.functional, "ScalingType"))
 
 
-def _torch_scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                     block: tuple[int, int] | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """xq: [M, K] fp8 with xs [M, 1] (per token) or [M, K / 128] (per token and group); w: [N, K]
-    fp8 with w_scale [N] or [N / 128, K / 128] -> [M, N] out_dtype."""
+def _torch_fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                    block: tuple[int, int] | None) -> torch.Tensor:
+    """x: [M, K] bf16/fp16, quantized here (per token, or per token and 128 columns); w: [N, K]
+    fp8 with w_scale [N] or [N / 128, K / 128] -> [M, N] in x.dtype, by torch's FP8 GEMM (two
+    launches: the quantization, the GEMM)."""
     if block is None:
-        return torch._scaled_mm(xq, w.t(), scale_a=xs.view(-1, 1).float(), scale_b=w_scale.view(1, -1).float(),
-                                out_dtype=out_dtype)
+        xq, xs = quantize_rows_triton(x, w.dtype, None)
+        return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, -1).float(), out_dtype=x.dtype)
     F = torch.nn.functional
-    m = xq.shape[0]
-    pad = (-m) % 128  # cuBLASLt has no block-wise heuristic for some row counts (65 on an H100)
-    if pad:
-        xq = torch.nn.functional.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(xq.dtype)
-        xs = torch.nn.functional.pad(xs, (0, 0, 0, pad), value=1.0)
-    # the block-wise kernel reads the activation scales column-major
-    out = F.scaled_mm(xq, w.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128, w_scale.float().t(),
-                      F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+    m = x.shape[0]
+    # rows padded to 128 (cuBLASLt has no block-wise heuristic for some row counts: 65 on an H100)
+    # and the scales column-major, as the block-wise kernel reads them: both by the quantization
+    xq, xs = quantize_rows_triton(x, w.dtype, block[1], rows=-(-m // 128) * 128, scales_by_column=True)
+    out = F.scaled_mm(xq, w.t(), xs, F.ScalingType.BlockWise1x128, w_scale.float().t(),
+                      F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
     return out[:m]
 
 

@@ -308,9 +308,11 @@ def _launch(x, w, w_scale, block, cfg, pdl, norm_out=None, norm_in=None):
 # when its plan does not quantize in the GEMM) ----------------------------------------------
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, G, fp8_max,
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stride_sg, fp8_max,
                        GROUP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, group): s = amax(|x|) / fp8_max over the group's GROUP columns, q = x / s."""
+    """Program (row, group): s = amax(|x|) / fp8_max over the group's GROUP columns, q = x / s
+    (rows past M: q = 0, s = the floor 1e-12; their mask is a tensor, `cols * 0 + row < M`, as
+    Triton's interpreter takes no scalar in a mask)."""
     wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1)
@@ -319,53 +321,60 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, G, fp8_max,
     for c0 in range(0, GROUP, BLOCK):
         cols = lo + c0 + tl.arange(0, BLOCK)
         mask = (cols < K) & (c0 + tl.arange(0, BLOCK) < GROUP)
-        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)))
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask & (cols * 0 + row < M), other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
     scale = tl.maximum(tl.max(amax, axis=0) / fp8_max, 1e-12)
-    tl.store(s_ptr + row * G + grp, scale)
+    tl.store(s_ptr + row * stride_sm + grp * stride_sg, scale)
     for c0 in range(0, GROUP, BLOCK):
         cols = lo + c0 + tl.arange(0, BLOCK)
         mask = (cols < K) & (c0 + tl.arange(0, BLOCK) < GROUP)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask & (cols * 0 + row < M), other=0.0).to(tl.float32)
         q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, G, fp8_max,
+def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stride_sg, G, fp8_max,
                          GROUP: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr):
     """Program (row, GROUPS consecutive groups of GROUP columns): each group's scale and values in
-    one pass, the tile held in registers (_quant_tile, as the decode GEMM does)."""
+    one pass, the tile held in registers (_quant_tile, as the decode GEMM does); rows past M as
+    _quant_rows_kernel's."""
     wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     gi = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = (cols < K) & (gi < G)[:, None]
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask & (cols * 0 + row < M), other=0.0).to(tl.float32)
     q, s = _quant_tile(x, fp8_max, q_ptr.dtype.element_ty)
-    tl.store(s_ptr + row * G + gi, s, mask=gi < G)
+    tl.store(s_ptr + row * stride_sm + gi * stride_sg, s, mask=gi < G)
     tl.store(q_ptr + row * stride_q + cols, q, mask=mask)
 
 
-def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, group: int | None,
-                         pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """kernels.fp8.quantize_rows on the GPU. x: [M, K] -> (q [M, K] dtype, s [M, G] float32).
+def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, group: int | None, pdl: bool = False,
+                         rows: int | None = None, scales_by_column: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.fp8.quantize_rows on the GPU. x: [M, K] -> (q [R, K] dtype, s [R, G] float32), R =
+    rows (>= M; the rows past M are zeros with scale 1e-12: the padding torch's block-wise GEMM
+    wants, written by this launch rather than by a copy) or M. scales_by_column: s is a
+    column-major view (stride (1, R)), the layout of torch's block-wise activation scales.
     Groups of a power of two <= 1024 columns: 1024 columns a program, one pass; per token: a
     program per row, two passes over it. pdl: launched with PDL (the decode GEMM's, which is)."""
     m, k = x.shape
+    r = max(rows or m, m)
     group = group or k
     g = triton.cdiv(k, group)
-    q = torch.empty(m, k, device=x.device, dtype=dtype)
-    s = torch.empty(m, g, device=x.device, dtype=torch.float32)
-    if not m:
+    q = torch.empty(r, k, device=x.device, dtype=dtype)
+    s = torch.empty(g, r, device=x.device, dtype=torch.float32).t() if scales_by_column else (
+        torch.empty(r, g, device=x.device, dtype=torch.float32))
+    if not r:
         return q, s
     fmax = float(torch.finfo(dtype).max)
+    strides = (x.stride(0), q.stride(0), s.stride(0), s.stride(1))
     if group <= 1024 and group & (group - 1) == 0:
         groups = 1024 // group
-        _quant_groups_kernel[(m, triton.cdiv(g, groups))](x, q, s, k, x.stride(0), q.stride(0), g, fmax,
-                                                          GROUP=group, GROUPS=groups, num_warps=4,
-                                                          **launch_args(x, pdl))
+        _quant_groups_kernel[(r, triton.cdiv(g, groups))](x, q, s, m, k, *strides, g, fmax, GROUP=group,
+                                                          GROUPS=groups, num_warps=4, **launch_args(x, pdl))
     else:
         block = min(1024, triton.next_power_of_2(group))
-        _quant_rows_kernel[(m, g)](x, q, s, k, x.stride(0), q.stride(0), g, fmax, GROUP=group, BLOCK=block,
-                                   num_warps=4, **launch_args(x, pdl))
+        _quant_rows_kernel[(r, g)](x, q, s, m, k, *strides, fmax, GROUP=group, BLOCK=block, num_warps=4,
+                                   **launch_args(x, pdl))
     return q, s

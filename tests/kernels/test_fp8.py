@@ -272,6 +272,14 @@ def run_quant_case(device, dtype, exact: bool) -> None:
             assert torch.equal(q.float(), q2.float())
         else:
             assert _rel(q2.float(), q.float()) < 0.1  # (misrounded values are off by half)
+    # padded to 8 rows with the scales column-major (torch's block-wise GEMM's operands): the same
+    # rows, then zero rows with the floor scale
+    q3, s3 = quantize_rows_triton(x, dtype, 128, rows=8, scales_by_column=True)
+    q, s = quantize_rows(x, dtype, 128)
+    assert q3.shape == (8, 300) and s3.shape == (8, 3) and s3.stride() == (1, 8)
+    assert torch.allclose(s3[:5], s, rtol=1e-6, atol=0) and torch.all(s3[5:] == 1e-12)
+    assert torch.equal(q3[5:].float(), torch.zeros(3, 300, device=device))
+    assert torch.equal(q3[:5].float(), q.float()) if exact else _rel(q3[:5].float(), q.float()) < 0.1
 
 
 def _interpreter_main() -> None:
@@ -347,6 +355,24 @@ def test_fp8_gemm_gpu(case):
 @pytest.mark.parametrize("case", SKINNY_CASES)
 def test_fp8_skinny_plans_gpu(case):
     run_gemm_case(case[:4], "cuda", _gpu_fp8(), case[4])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(150, 256, 256, (128, 128)), (200, 128, 384, (128, 128)), (130, 384, 512, None),
+                                  (129, 4096, 4096, (128, 128)), (1000, 6144, 4096, None)])
+def test_fp8_torch_gemm_gpu(case):
+    """Prefill rows on torch's FP8 GEMM (the rows padded to 128 and the scales column-major by the
+    quantization launch, block-wise) against fp8_linear_ref; block-wise K of 256 and 384 (torch
+    refuses weight scales whose K side is not a multiple of 4) take the prefill tile instead."""
+    import torch.nn.functional as F
+
+    from tandem.kernels.triton.fp8 import _torch_gemm
+    m, n, k, block = case
+    dtype = _gpu_fp8()
+    if torch.cuda.get_device_capability() >= (9, 0) and hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
+        takes = _torch_gemm(torch.empty(m, k, device="cuda"), torch.empty(n, k, device="cuda"), block)
+        assert takes == (block is None or k % 512 == 0), case
+    run_gemm_case(case, "cuda", dtype)
 
 
 @pytest.mark.gpu
