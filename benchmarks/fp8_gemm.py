@@ -220,15 +220,28 @@ def _cold_cases(rows_list, layouts):
                 torch.cuda.empty_cache()
 
 
-def cold_sweep_rows(rows_list=(1,), layouts=("block",)) -> list[dict]:
+def _quant_variants(rule: dict) -> list[dict]:
+    """The plan the kernels pick with the activation quantization moved into the GEMM (QUANT),
+    over strip widths and splits around it: whether 17-64 rows can drop the quantization launch."""
+    out = []
+    for bn, split in itertools.product((32, 64, 128), (1, 2, 4)):
+        out.append(dict(rule, BLOCK_N=bn, SPLIT_K=split, QUANT=True))
+    return out
+
+
+def cold_sweep_rows(rows_list=(1,), layouts=("block",), torch_only: bool = False,
+                    quant_only: bool = False) -> list[dict]:
     """Decode-tile plans timed as a decode step runs them: back to back inside a CUDA graph over
     weight copies that do not fit in L2 (do_bench on one weight reads it from L2). Each row's
     ceiling is the copy bandwidth measured now: of_floor = (weight + scale bytes) / time / bandwidth.
-    Also the bf16 skinny GEMM on the same shape (twice the bytes) and the plan the rule picks."""
+    Also, on the same shape: the bf16 skinny GEMM (twice the bytes), torch's FP8 GEMM (the one
+    prefill rows take, its quantization launch included: the issue's 1.2x bar), and the plan the
+    kernels pick (PLANS or the rule). torch_only: that plan and torch's GEMM only; quant_only:
+    that plan and _quant_variants of it."""
     from benchmarks.profile_decode import _in_graph_us
     from benchmarks.roofline import copy_bandwidth
     from tandem.kernels.fp8 import fp8_linear_ref
-    from tandem.kernels.triton.fp8 import fp8_linear_triton
+    from tandem.kernels.triton.fp8 import _torch_fp8_gemm, _torch_gemm, fp8_linear_triton
     from tandem.kernels.triton.fp8_skinny import plan, row_bucket
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + written)", flush=True)
@@ -242,14 +255,22 @@ def cold_sweep_rows(rows_list=(1,), layouts=("block",)) -> list[dict]:
         bk = block[1] if block else None
         rule = plan(m, n, k, bk)
         timed, us_rule = _time_plans(
-            f"{m}x{n}x{k}", rule, _cold_candidates(m, n, k, bk), ref,
+            f"{m}x{n}x{k}", rule,
+            [] if torch_only else _quant_variants(rule) if quant_only else _cold_candidates(m, n, k, bk), ref,
             lambda cand: fp8_linear_triton(x, wq, ws, block, cand),
             lambda cand: _in_graph_us(lambda i: fp8_linear_triton(x, wqs[i], ws, block, cand), copies, calls))
         rows += [dict(model="fp8-gemm-cold", what=f"{m}x{n}x{k} {layout}", us=us,
                       of_floor=nbytes / (us * 1e-6) / bw, plan=cand, rule=cand is rule) for us, cand in timed]
+        torch_us = float("nan")
+        if _torch_gemm(x, wq, block) and not quant_only:
+            torch_us = _timed_if_right(
+                f"torch {m}x{n}x{k}", {}, lambda: _torch_fp8_gemm(x, wq, ws, block), ref,
+                lambda: _in_graph_us(lambda i: _torch_fp8_gemm(x, wqs[i], ws, block), copies, calls)) or torch_us
+            rows.append(dict(model="fp8-gemm-cold", what=f"{m}x{n}x{k} {layout} torch", us=torch_us,
+                             of_floor=nbytes / (torch_us * 1e-6) / bw, plan="torch"))
         us, cand = min(timed, key=lambda t: t[0])
         line = (f"    {(row_bucket(m), n, k, bk)}: {cand},  # {us:.1f} us, "
-                f"{nbytes / (us * 1e-6) / bw:.0%} of copy bw; rule {us_rule:.1f} us")
+                f"{nbytes / (us * 1e-6) / bw:.0%} of copy bw; rule {us_rule:.1f} us, torch {torch_us:.1f} us")
         print(line, flush=True)
         best.append(line)
     print("best cold plan per shape (fp8_skinny.PLANS entries):")
@@ -318,10 +339,16 @@ if __name__ == "__main__":
     ap.add_argument("--rows", type=int, nargs="+", default=[1])
     ap.add_argument("--layouts", nargs="+", choices=["block", "channel"], default=["block"])
     ap.add_argument("--w8a16", action="store_true", help="sweep the W8A16 decode path instead (w8a16_sweep_rows)")
+    ap.add_argument("--vs-torch", action="store_true",
+                    help="time only the plan the kernels pick and torch's FP8 GEMM")
+    ap.add_argument("--quant-variants", action="store_true",
+                    help="time only the plan the kernels pick and its variants quantizing in the GEMM")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    sweep = w8a16_sweep_rows if args.w8a16 else cold_sweep_rows
-    result = sweep(tuple(args.rows), tuple(args.layouts))
+    if args.w8a16:
+        result = w8a16_sweep_rows(tuple(args.rows), tuple(args.layouts))
+    else:
+        result = cold_sweep_rows(tuple(args.rows), tuple(args.layouts), args.vs_torch, args.quant_variants)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
                                                   rows=result), indent=1))
