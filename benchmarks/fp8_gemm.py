@@ -330,6 +330,49 @@ def w8a16_sweep_rows(rows_list=(1,), layouts=("block",)) -> list[dict]:
     return rows
 
 
+def chain_rows(rows_list=(1,), layers: int = 32) -> list[dict]:
+    """The Llama-3-8B decode step's FP8 GEMMs alone (block-scaled): qkv, o, gate_up, down per layer,
+    each the next's input, `layers` layers' weights (none read from L2 twice), back to back in one
+    CUDA graph with PDL, with the plans the kernels pick: how near the copy bandwidth the GEMMs
+    come without the step's other launches. of_floor = weight + scale bytes / time / copy
+    bandwidth (same run)."""
+    from benchmarks.profile_decode import _in_graph_us
+    from benchmarks.roofline import copy_bandwidth
+    from tandem.kernels.fp8 import fp8_dtype
+    from tandem.kernels.triton.fp8 import fp8_linear_triton
+    from tandem.kernels.triton.fp8_skinny import plan
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + written)", flush=True)
+    dt = fp8_dtype("cuda")
+    weights = []
+    for _ in range(layers):
+        layer = []
+        for n, k in SHAPES:
+            w = (torch.randn(n, k, device="cuda") * 0.05).to(dt)
+            layer.append((w, torch.rand(n // 128, k // 128, device="cuda") * 1e-2 + 1e-3))
+        weights.append(layer)
+    nbytes = sum(w.numel() + ws.numel() * 4 for layer in weights for w, ws in layer)
+    rows = []
+    for m in rows_list:
+        x0 = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        plans = [plan(m, n, k, 128) for n, k in SHAPES]
+
+        def step():
+            x = x0
+            for layer in weights:
+                (wqkv, sqkv), (wo, so), (wgu, sgu), (wd, sd) = layer
+                x = fp8_linear_triton(x, wqkv, sqkv, (128, 128), plans[0])[:, :4096]
+                x = fp8_linear_triton(x, wo, so, (128, 128), plans[1])
+                x = fp8_linear_triton(x, wgu, sgu, (128, 128), plans[2])[:, :14336]
+                x = fp8_linear_triton(x, wd, sd, (128, 128), plans[3])
+            return x
+        us = _in_graph_us(lambda i: step(), 1, 1)
+        row = dict(model="fp8-gemm-chain", what=f"{m} rows x {layers} layers", us=us, of_floor=nbytes / (us * 1e-6) / bw)
+        print(f"chain {m} rows: {us:.0f} us, {row['of_floor']:.1%} of copy bw", flush=True)
+        rows.append(row)
+    return rows
+
+
 if __name__ == "__main__":
     import argparse
     import json
@@ -341,11 +384,15 @@ if __name__ == "__main__":
     ap.add_argument("--w8a16", action="store_true", help="sweep the W8A16 decode path instead (w8a16_sweep_rows)")
     ap.add_argument("--vs-torch", action="store_true",
                     help="time only the plan the kernels pick and torch's FP8 GEMM")
+    ap.add_argument("--chain", action="store_true",
+                    help="the 8B step's FP8 GEMMs back to back in one graph (chain_rows)")
     ap.add_argument("--quant-variants", action="store_true",
                     help="time only the plan the kernels pick and its variants quantizing in the GEMM")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.w8a16:
+    if args.chain:
+        result = chain_rows(tuple(args.rows))
+    elif args.w8a16:
         result = w8a16_sweep_rows(tuple(args.rows), tuple(args.layouts))
     else:
         result = cold_sweep_rows(tuple(args.rows), tuple(args.layouts), args.vs_torch, args.quant_variants)

@@ -214,6 +214,8 @@ def main() -> None:
                     help="also time each FP8 GEMM against torch._scaled_mm on the same shapes")
     ap.add_argument("--fp8-sweep", action="store_true",
                     help="also time every candidate FP8 GEMM tile plan per shape and print the best")
+    ap.add_argument("--prefill", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the 4096-token prefill of the dense models")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     kernels = kernel_kwargs(args)
@@ -241,7 +243,7 @@ def main() -> None:
             rows.append(dict(model=name, what=what, ms=t * 1e3,
                              floor_ms=floor * 1e3, of_floor=floor / t))
             print("measured:", rows[-1], flush=True)
-        if not moe:
+        if not moe and args.prefill:
             t, T = time_prefill(llm, 4096), 4096
             cfg = MODELS[name]
             layer_params = sum(p.numel() for n, p in llm.engine.runner.model.named_parameters() if ".layers." in n)
