@@ -97,6 +97,12 @@ SKINNY_CASES = [  # (rows, N, K, block, decode-tile plan): every branch of kerne
     (5, 48, 300, (128, 128), dict(BLOCK_N=16, BLOCK_K=128, SPLIT_K=4, QUANT=True, num_warps=2, num_stages=4)),
     # per-channel quantized in the GEMM, ragged K, no split
     (1, 24, 200, None, dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, QUANT=True, num_warps=2, num_stages=4)),
+    # two weight tiles before the PDL wait (64 rows), block-scaled; K 384 split in 2: the second
+    # split is one tile deep, so its second preloaded tile is past K
+    (40, 64, 384, (128, 128), dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, QUANT=False, num_warps=4, num_stages=4,
+                                   PRELOAD=2)),
+    # the same per-channel with ragged K
+    (64, 48, 200, None, dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, QUANT=False, num_warps=4, num_stages=4, PRELOAD=2)),
 ]
 MOE_CASES = [  # (tokens, hidden, inter, experts, top_k, block)
     (1, 128, 256, 8, 2, (128, 128)), (5, 128, 128, 4, 2, None), (70, 256, 128, 8, 3, (128, 128)),
