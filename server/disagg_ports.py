@@ -99,14 +99,21 @@ def _port_free(port: int) -> bool:
         return False
 
 
-def _free_base(size: int) -> int:
-    """--base-port 0: a base whose `size` ports from it are all free now, below Linux's ephemeral
-    range (32768+), where outgoing connections could take one before its process binds it."""
-    for _ in range(100):
-        base = random.randint(10000, 32767 - size)
-        if all(_port_free(base + i) for i in range(size)):
+_handed_out: set[int] = set()  # blocks this process gave out, bound by now or not yet
+
+
+def free_port_block(size: int) -> int:
+    """The first of `size` consecutive ports that are all free now, below Linux's ephemeral range
+    (32768+, where an outgoing connection could take one before its process binds it), overlapping
+    no block this process handed out before (processes bind their blocks one port after another,
+    so two overlapping blocks collide while both start). For --base-port 0 and for harnesses that
+    start servers (benchmarks/goodput). RuntimeError when none is found."""
+    for _ in range(200):
+        block = range(base := random.randint(10000, 32767 - size), base + size)
+        if _handed_out.isdisjoint(block) and all(_port_free(p) for p in block):
+            _handed_out.update(block)
             return base
-    raise SystemExit(f"server: --base-port 0 found no {size} free ports in a row; give --base-port")
+    raise RuntimeError(f"no {size} consecutive free ports found below 32768")
 
 
 def plan_ports(args: argparse.Namespace, tp: dict[str, int]) -> DisaggPorts:
@@ -115,7 +122,10 @@ def plan_ports(args: argparse.Namespace, tp: dict[str, int]) -> DisaggPorts:
     counts = {"prefill": args.num_prefill, "decode": args.num_decode}
     base = DEFAULT_BASE_PORT if args.base_port is None else args.base_port
     if base == 0:
-        base = _free_base(1 + sum(counts[r] * block_size(tp[r]) for r in counts))
+        try:
+            base = free_port_block(1 + sum(counts[r] * block_size(tp[r]) for r in counts))
+        except RuntimeError as e:
+            raise SystemExit(f"server: --base-port 0: {e}; give --base-port") from None
     lists = {"prefill": args.prefill_ports, "decode": args.decode_ports}
     out, nxt = {}, base + 1
     for role in ("prefill", "decode"):

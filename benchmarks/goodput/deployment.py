@@ -13,7 +13,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.goodput.topology import Topology
+from tandem.server.disagg_ports import block_size, free_port_block
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +38,12 @@ class LaunchOptions:
     python: str = field(default_factory=lambda: sys.executable)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(size: int = 1) -> int:
+    """The first of `size` free consecutive ports for a server this harness starts (its HTTP port,
+    then the ports an instance derives from it: KV handshake, KV data per rank, TP rendezvous),
+    below the ephemeral range and apart from every block handed out before
+    (tandem.server.disagg_ports.free_port_block)."""
+    return free_port_block(size)
 
 
 def _die_with_parent() -> None:
@@ -51,8 +53,9 @@ def _die_with_parent() -> None:
 class Process:
     """One `server` process logging to log_path."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, python: str, gpus: tuple[str, ...] = ()):
-        self.name, self.port, self.log_path = name, free_port(), log_path
+    def __init__(self, name: str, argv: list[str], log_path: Path, python: str, gpus: tuple[str, ...] = (),
+                 ports: int = 1):
+        self.name, self.port, self.log_path = name, free_port(ports), log_path
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ)
         if gpus:
@@ -149,7 +152,7 @@ class Deployment:
             i = counts[role] = counts.get(role, -1) + 1
             name = f"{role}{i}"
             self.instances.append(Process(name, instance_argv(t, role, o, registry), self.log_dir / f"{name}.log",
-                                          o.python, gpus))
+                                          o.python, gpus, ports=block_size(max(1, t.gpus))))
         deadline = time.monotonic() + o.startup_timeout_s
         for p in self.instances:
             self._wait_healthy(p, deadline)
