@@ -66,8 +66,9 @@ def test_fresh_server_per_rate_and_bisection(fake_server, monkeypatch, tmp_path)
     FakeDeployment.starts, FakeDeployment.url = [], f"{fake_server}/ok"
     monkeypatch.setattr(sweep_module, "Deployment", FakeDeployment)
     # The fake server's first token takes 50 ms: a 1 ms TTFT SLO fails every request, so the
-    # search bisects below the lowest rate: 2, 4, then 1, then 0.5.
-    argv = ["--topology", "colloc:1", "--topology", "pd:1p1d", "--gpus", "none", "--rates", "2,4",
+    # search bisects below the lowest rate: 8, 16, then 4, then 2 (high rates: the requests are
+    # paced in real time, and at 0.5/s three of them take seconds for the same flow).
+    argv = ["--topology", "colloc:1", "--topology", "pd:1p1d", "--gpus", "none", "--rates", "8,16",
             "--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "3", "--vocab-size", "1000",
             "--slo-ttft-ms", "1", "--slo-tpot-ms", "1000", "--bisect-steps", "2", "--fresh-server-per-rate",
             "--out-dir", str(tmp_path)]
@@ -75,10 +76,10 @@ def test_fresh_server_per_rate_and_bisection(fake_server, monkeypatch, tmp_path)
     assert FakeDeployment.starts == ["colloc1"] * 4 + ["pd1p1d-write-tcp"] * 4
     report = check_report(tmp_path, ["colloc1", "pd1p1d-write-tcp"], 3)
     for topo in report["topologies"]:
-        assert [p["rate"] for p in topo["points"]] == [0.5, 1.0, 2.0, 4.0]
+        assert [p["rate"] for p in topo["points"]] == [2.0, 4.0, 8.0, 16.0]
         assert [p["bisection"] for p in topo["points"]] == [True, True, False, False]
         assert all(p["attainment"] == 0.0 for p in topo["points"])
-        assert topo["goodput"] == {"rate": 0.0, "bracket": [None, 0.5], "lower_bound": False}
+        assert topo["goodput"] == {"rate": 0.0, "bracket": [None, 2.0], "lower_bound": False}
     assert report["fresh_server_per_rate"] and report["workload"]["ignore_eos"]
 
 

@@ -32,6 +32,8 @@ NIXL = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="the 
 
 
 def _prefill_main(inbox, outbox, async_scheduling, transport, device) -> None:
+    if device == "cpu":
+        torch.set_num_threads(1)  # as the decode side (see test_gpu_pd_matches_collocated)
     core = LLM(DEFAULT_MODEL_DIR, device=device, dtype="float32", num_gpu_blocks_override=512,
                async_scheduling=async_scheduling, **KV("kv_producer", transport)).engine
     outbox.put(("address", core.connector.address))
@@ -58,8 +60,17 @@ CASES = [pytest.param(mode, a, t, src, dst, marks=marks, id=f"{mode}-{a}-{t}-{sr
     pytest.param(mode, a, t, "cpu", "cpu", marks=marks, id=f"{mode}-{a}-{t}-cpu-cpu") for mode, a, t, marks in CPU_CASES]
 
 
+@pytest.fixture(autouse=True)
+def _keep_num_threads():
+    num_threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(num_threads)
+
+
 @pytest.mark.parametrize("mode,async_scheduling,transport,src,dst", CASES)
 def test_gpu_pd_matches_collocated(mode, async_scheduling, transport, src, dst):
+    if dst == "cpu":  # both engines step in busy loops: one torch thread each, or their threads oversubscribe
+        torch.set_num_threads(1)  # the CPU cores and every step waits on a descheduled one (3-4x slower)
     ref_llm = LLM(DEFAULT_MODEL_DIR, device=dst, dtype="float32", num_gpu_blocks_override=512)
     ids = [ref_llm.tokenizer.encode(p) for p in PROMPTS]
     expected = [o.token_ids for o in ref_llm.generate(ids, PARAMS)]

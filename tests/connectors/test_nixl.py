@@ -90,6 +90,43 @@ def test_out_of_range_blocks_are_refused(pair):
     src.flush("dst:1")  # reported once
 
 
+def test_one_transport_serves_several_peers_bitwise():
+    """2P2D: each prefill's transport pushes to two decodes (one peer's flush leaves the other's
+    pushes pending, then lands them too) and each decode's transport reads from two prefills."""
+    pytest.importorskip("nixl._api", reason="the nixl extra is not installed")
+    from tandem.connectors.nixl import NixlTransport
+
+    gen = torch.Generator().manual_seed(2)
+    prefills = {f"p{i}:1": NixlTransport(torch.randn(SHAPE, generator=gen), f"test-multi-p{i}", timeout_s=10)
+                for i in range(2)}
+    decodes = {f"d{i}:1": NixlTransport(torch.zeros(SHAPE), f"test-multi-d{i}", timeout_s=10) for i in range(2)}
+    try:
+        for p_name, p in prefills.items():
+            for d_name, d in decodes.items():
+                p.attach(d_name, d.local_info())
+                d.attach(p_name, p.local_info())
+        (p0, p1), (d0, d1) = prefills.values(), decodes.values()
+        for layer in range(p0.num_layers):  # p0 -> d0 and p0 -> d1, interleaved
+            p0.write_layer("d0:1", "t0", layer, p0.stage_layer(layer, [0, 1]), [2, 3])
+            p0.write_layer("d1:1", "t1", layer, p0.stage_layer(layer, [4]), [5])
+        p0.flush("d0:1")
+        assert list(p0.pending) == ["d1:1"]
+        p0.flush("d1:1")
+        assert not p0.pending
+        d0.read("p1:1", "r0", [6, 7], [8, 9])  # d0 <- p1 (and d0 <- p0 above)
+        d1.read("p1:1", "r1", [10], [11])  # d1 <- p1 (and d1 <- p0 above)
+        i16 = lambda t: t.view(torch.int16)  # noqa: E731
+        assert torch.equal(i16(d0.kv_cache[:, :, [2, 3]]), i16(p0.kv_cache[:, :, [0, 1]]))
+        assert torch.equal(i16(d1.kv_cache[:, :, 5]), i16(p0.kv_cache[:, :, 4]))
+        assert torch.equal(i16(d0.kv_cache[:, :, [8, 9]]), i16(p1.kv_cache[:, :, [6, 7]]))
+        assert torch.equal(i16(d1.kv_cache[:, :, 11]), i16(p1.kv_cache[:, :, 10]))
+        for d, written in ((d0, [2, 3, 8, 9]), (d1, [5, 11])):
+            assert not d.kv_cache[:, :, [b for b in range(SHAPE[2]) if b not in written]].any()
+    finally:
+        for t in [*prefills.values(), *decodes.values()]:
+            t.close()
+
+
 def test_rank_pairs_move_head_slices_bitwise():
     """Ranks of different TP sizes: prefill holds 4 KV heads, decode 2; a RankPair moves heads 2..3
     of prefill into heads 0..1 of decode (read), and heads 0..1 back into heads 1..2 (write)."""

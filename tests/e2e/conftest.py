@@ -19,9 +19,9 @@ DATA = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 T = TypeVar("T")
 ENGINE_ARGS = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "96",
                "--block-size", "8", "--max-num-seqs", "16", "--max-num-batched-tokens", "64"]
-# The KV transports a CPU deployment can use; every PD test runs over each.
-TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(
-    importlib.util.find_spec("nixl") is None, reason="the nixl extra is not installed"))]
+# The KV transports a CPU deployment can use: tcp, and nixl (for the cases whose path depends on the
+# transport) when its extra is installed.
+NIXL = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="the nixl extra is not installed")
 KV_CONFIG = '{"kv_connector_extra_config": {"transfer_timeout_s": 4, "hold_timeout_s": 4}}'
 
 

@@ -9,9 +9,9 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import (ENGINE_ARGS, KV_CONFIG, TRANSPORTS, Proc, collocated_answers, metric,
-                                wait_all_blocks_free)
+from tests.e2e.conftest import ENGINE_ARGS, KV_CONFIG, NIXL, Proc, collocated_answers, metric, wait_all_blocks_free
 from tests.ports import free_port_range
+from tests.server.conftest import stop_all
 
 PROMPTS = [f"Question: Tom has {n} apples and buys {n + 3} more. How many now?\nAnswer:" for n in range(12)]
 PROMPTS += ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -95,15 +95,21 @@ def start_deployment(model_dir, log_dir, mode: str, num_prefill: int = 1, num_de
             assert time.monotonic() < deadline, httpx.get(f"{router.url}/instances").text
             time.sleep(0.3)
     except BaseException:  # one part failed to start: stop the others, not left running after the test
-        for p in [router, *instances]:
-            p.stop()
+        stop_all([router, *instances])
         raise
     return router, instances
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("mode,num_p,num_d,async_scheduling", [
-    ("read", 1, 1, True), ("write", 1, 1, False), ("write", 2, 2, True)])
+TOPOLOGIES = [("read", 1, 1, True), ("write", 1, 1, False), ("write", 2, 2, True)]  # mode, P, D, async scheduling
+# 2P2D over tcp only: spreading requests over several instances is the router's and the connector's
+# scheduler side, the same for every transport; nixl's reads and layer-wise writes run in its 1P1D
+# cases, and one nixl transport serving several peers in tests/connectors/test_nixl.py.
+CASES = [pytest.param(*topo, "tcp", id="-".join(map(str, (*topo, "tcp")))) for topo in TOPOLOGIES] + [
+    pytest.param(*topo, "nixl", marks=NIXL, id="-".join(map(str, (*topo, "nixl")))) for topo in TOPOLOGIES
+    if topo[1:3] == (1, 1)]
+
+
+@pytest.mark.parametrize("mode,num_p,num_d,async_scheduling,transport", CASES)
 def test_disagg_matches_collocated(model_dir, tmp_path, expected, mode, num_p, num_d, async_scheduling, transport):
     flag = "--async-scheduling" if async_scheduling else "--no-async-scheduling"
     router, instances = start_deployment(model_dir, tmp_path, mode, num_p, num_d, extra_args=(flag,),
@@ -122,5 +128,4 @@ def test_disagg_matches_collocated(model_dir, tmp_path, expected, mode, num_p, n
             assert all(metric(p.url, "prompt_tokens_total") > 0 for p in prefills)
         wait_all_blocks_free([p.url for p in instances])
     finally:
-        for p in [router, *instances]:
-            p.stop()
+        stop_all([router, *instances])

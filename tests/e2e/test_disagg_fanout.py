@@ -1,29 +1,39 @@
-"""n > 1 and batched prompts through a `--role disagg` tree (tcp, read and write mode): the router
-fans out one KV transfer per choice and merges the answers. Reference: a collocated server's
-answer to the same request, choice by choice (index, text, finish reason) and its usage, greedy
-and seeded, streamed and not; afterwards every KV block is free on both instances."""
+"""n > 1 and batched prompts through router + prefill + decode processes (tcp, read and write mode):
+the router fans out one KV transfer per choice and merges the answers. Reference: a collocated
+server's answer to the same request, choice by choice (index, text, finish reason) and its usage,
+greedy and seeded, streamed and not; afterwards every KV block is free on both instances. One
+prefill and one decode instance serve both modes, each behind a router of its own --kv-mode."""
 import json
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import ENGINE_ARGS, KV_CONFIG, Proc, collocated_answers, pd_port_args, wait_all_blocks_free
+from tests.e2e.conftest import collocated_answers, wait_all_blocks_free
+from tests.e2e.test_disagg_tp import Tree
 
 pytestmark = pytest.mark.slow
 
-P = [f"Question: Tom has {n} apples and buys {n + 3} more. How many now?\nAnswer:" for n in range(4)]
-CHAT = [{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many now?"}]
-CASES = [  # (path, body): each sent alone
-    ("/v1/completions", {"prompt": P[0], "n": 3, "max_tokens": 8, "temperature": 0}),
-    ("/v1/completions", {"prompt": P[1], "n": 3, "max_tokens": 8, "temperature": 0.8, "seed": 11,
-                         "stream": True, "stream_options": {"include_usage": True}}),
-    ("/v1/completions", {"prompt": [P[2], P[3]], "n": 2, "max_tokens": 6, "temperature": 0.9, "seed": 5}),
-    ("/v1/completions", {"prompt": [P[0], P[3], P[1]], "max_tokens": 6, "temperature": 0, "stream": True,
-                         "stream_options": {"include_usage": True}}),
-    ("/v1/chat/completions", {"messages": CHAT, "n": 3, "max_tokens": 8, "temperature": 1.0, "seed": 3,
-                              "stream": True, "stream_options": {"include_usage": True}}),
-    ("/v1/chat/completions", {"messages": CHAT, "n": 2, "max_tokens": 8, "temperature": 0.7, "seed": 42}),
-]
+
+def cases(name: str) -> list[tuple[str, dict]]:
+    """(path, body) of each request, each sent alone, asking about `name`: each mode's test its own
+    (the instances serve both, and a decode finding the other mode's prompts in its prefix cache
+    would receive only their last block)."""
+    p = [f"Question: {name} has {n} apples and buys {n + 3} more. How many now?\nAnswer:" for n in range(4)]
+    chat = [{"role": "user", "content": f"{name} has 3 apples and buys 4 more. How many now?"}]
+    return [
+        ("/v1/completions", {"prompt": p[0], "n": 3, "max_tokens": 8, "temperature": 0}),
+        ("/v1/completions", {"prompt": p[1], "n": 3, "max_tokens": 8, "temperature": 0.8, "seed": 11,
+                             "stream": True, "stream_options": {"include_usage": True}}),
+        ("/v1/completions", {"prompt": [p[2], p[3]], "n": 2, "max_tokens": 6, "temperature": 0.9, "seed": 5}),
+        ("/v1/completions", {"prompt": [p[0], p[3], p[1]], "max_tokens": 6, "temperature": 0, "stream": True,
+                             "stream_options": {"include_usage": True}}),
+        ("/v1/chat/completions", {"messages": chat, "n": 3, "max_tokens": 8, "temperature": 1.0, "seed": 3,
+                                  "stream": True, "stream_options": {"include_usage": True}}),
+        ("/v1/chat/completions", {"messages": chat, "n": 2, "max_tokens": 8, "temperature": 0.7, "seed": 42}),
+    ]
+
+
+CASES = {"read": cases("Tom"), "write": cases("Sam")}
 
 
 def _normalized(path: str, body: dict, resp: httpx.Response) -> dict:
@@ -54,9 +64,9 @@ def _normalized(path: str, body: dict, resp: httpx.Response) -> dict:
     return {"choices": choices, "usage": (usage["prompt_tokens"], usage["completion_tokens"])}
 
 
-def answers(url: str) -> list[dict]:
+def answers(url: str, cases: list[tuple[str, dict]]) -> list[dict]:
     out = []
-    for path, body in CASES:
+    for path, body in cases:
         resp = httpx.post(f"{url}{path}", json={"model": "default", **body}, timeout=120)
         out.append(_normalized(path, body, resp))
     return out
@@ -64,22 +74,27 @@ def answers(url: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def expected(model_dir, tmp_path_factory):
-    return collocated_answers(model_dir, tmp_path_factory.mktemp("colloc"), answers)
+    return collocated_answers(model_dir, tmp_path_factory.mktemp("colloc"),
+                              lambda url: {mode: answers(url, cases) for mode, cases in CASES.items()})
+
+
+@pytest.fixture(scope="module")
+def tree(model_dir, tmp_path_factory):
+    tree = Tree(model_dir, [], tmp_path_factory.mktemp("pd-fanout"))
+    try:
+        tree.start("prefill0", "prefill", 1)
+        tree.start("decode0", "decode", 1)
+        yield tree
+    finally:
+        tree.close()
 
 
 @pytest.mark.parametrize("mode", ["read", "write"])
-def test_n_and_batched_prompts_match_collocated(model_dir, tmp_path, expected, mode):
-    port_args, http_ports = pd_port_args()
-    tree = Proc("disagg", ["--role", "disagg", "--model", str(model_dir), "--served-model-name", "default",
-                           *ENGINE_ARGS, "--kv-mode", mode, *port_args, "--kv-transfer-config", KV_CONFIG], tmp_path)
-    try:
-        tree.wait_healthy(240)
-        got = answers(tree.url)
-        for case, g, want in zip(CASES, got, expected):
-            assert g == want, case
-        n_choices = [len(w["choices"]) for w in expected]
-        assert n_choices == [3, 3, 4, 3, 3, 2]
-        assert len(set(expected[1]["choices"].values())) > 1  # seeded samples differ from one another
-        wait_all_blocks_free([f"http://127.0.0.1:{port}" for port in http_ports])
-    finally:
-        assert tree.stop(90) == 0
+def test_n_and_batched_prompts_match_collocated(tree, expected, mode):
+    got = answers(tree.route(mode), CASES[mode])
+    for case, g, want in zip(CASES[mode], got, expected[mode]):
+        assert g == want, case
+    n_choices = [len(w["choices"]) for w in expected[mode]]
+    assert n_choices == [3, 3, 4, 3, 3, 2]
+    assert len(set(expected[mode][1]["choices"].values())) > 1  # seeded samples differ from one another
+    wait_all_blocks_free([p.url for p in tree.instances.values()])

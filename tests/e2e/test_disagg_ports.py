@@ -46,12 +46,12 @@ def listeners(root_pid: int) -> dict[psutil.Process, list]:
 
 
 def test_tp2_tree_listens_only_on_its_printed_ports(model_dir, tmp_path_factory):
-    expected = collocated_answers(model_dir, tmp_path_factory.mktemp("colloc"), complete)
     base = free_port_range(NUM_PORTS)
     tree = Proc("disagg", ["--role", "disagg", "--model", str(model_dir), "--served-model-name", "default",
                            *ENGINE_ARGS, "--tensor-parallel-size", str(TP), "--base-port", str(base)],
                 tmp_path_factory.mktemp("tree"))
     try:
+        expected = collocated_answers(model_dir, tmp_path_factory.mktemp("colloc"), complete)  # while the tree starts
         tree.wait_healthy(300)
         assert complete(tree.url) == expected
         printed = printed_ports(tree.read_log())

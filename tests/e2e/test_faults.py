@@ -1,5 +1,9 @@
 """Faults in a PD deployment end with a clear client error and no leaked KV blocks.
-(Registration of an unreachable instance is covered in tests/router.)"""
+(Registration of an unreachable instance is covered in tests/router.)
+Over tcp only: each fault here comes before the transport moves anything (a prefill stopped before
+the handshake) or after its transfer is done (a decode killed, a client gone, while decoding), so
+the path is the connector's scheduler side and the router's, the same for every transport. A fault
+in the middle of a transfer: tests/e2e/test_faults_tp.py."""
 import threading
 import time
 
@@ -8,7 +12,8 @@ import openai
 import pytest
 
 from tests.e2e.test_disagg import start_deployment
-from tests.e2e.conftest import TRANSPORTS, metric, wait_all_blocks_free
+from tests.e2e.conftest import metric, wait_all_blocks_free
+from tests.server.conftest import stop_all
 
 LONG = "Question: " + " ".join(f"item {i} costs {i} dollars." for i in range(6)) + "\nAnswer:"
 
@@ -18,9 +23,8 @@ def _complete(url: str, **kw):
     return client.completions.create(model="default", prompt=LONG, temperature=0, **kw)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_killed_decode_gives_client_error_and_prefill_frees(model_dir, tmp_path, transport):
-    router, (prefill, decode) = start_deployment(model_dir, tmp_path, "read", instance_timeout=2, transport=transport)
+def test_killed_decode_gives_client_error_and_prefill_frees(model_dir, tmp_path):
+    router, (prefill, decode) = start_deployment(model_dir, tmp_path, "read", instance_timeout=2)
     try:
         errors = []
 
@@ -50,16 +54,13 @@ def test_killed_decode_gives_client_error_and_prefill_frees(model_dir, tmp_path,
             _complete(router.url, max_tokens=4)
         assert err.value.status_code == 503
     finally:
-        for p in (router, prefill, decode):
-            p.stop()
+        stop_all([router, prefill, decode])
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_killed_prefill_times_out_on_decode_without_leak(model_dir, tmp_path, transport):
+def test_killed_prefill_times_out_on_decode_without_leak(model_dir, tmp_path):
     """Write mode: prefill dies before pushing; decode's transfer times out (4 s), the client
     gets an error and decode's blocks are all free again."""
-    router, (prefill, decode) = start_deployment(model_dir, tmp_path, "write", instance_timeout=30,
-                                                 transport=transport)
+    router, (prefill, decode) = start_deployment(model_dir, tmp_path, "write", instance_timeout=30)
     try:
         prefill.proc.send_signal(19)  # SIGSTOP: alive for the router, silent for the transfer
         start = time.monotonic()
@@ -70,13 +71,11 @@ def test_killed_prefill_times_out_on_decode_without_leak(model_dir, tmp_path, tr
         prefill.kill()
         wait_all_blocks_free([decode.url])
     finally:
-        for p in (router, prefill, decode):
-            p.stop()
+        stop_all([router, prefill, decode])
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_client_abort_reaches_both_instances(model_dir, tmp_path, transport):
-    router, (prefill, decode) = start_deployment(model_dir, tmp_path, "write", transport=transport)
+def test_client_abort_reaches_both_instances(model_dir, tmp_path):
+    router, (prefill, decode) = start_deployment(model_dir, tmp_path, "write")
     try:
         body = {"model": "default", "prompt": LONG, "max_tokens": 150, "temperature": 0, "stream": True,
                 "ignore_eos": True}
@@ -94,5 +93,4 @@ def test_client_abort_reaches_both_instances(model_dir, tmp_path, transport):
         assert metric(decode.url, "num_requests_running") == 0
         wait_all_blocks_free([prefill.url, decode.url])
     finally:
-        for p in (router, prefill, decode):
-            p.stop()
+        stop_all([router, prefill, decode])

@@ -81,61 +81,78 @@ def _holding(url: str) -> bool:
         metric(url, "kv_cache_free_blocks") < metric(url, "kv_cache_total_blocks")
 
 
+# One prompt per mode: on the shared tree the other mode's prompt sits in the instances' prefix
+# caches, and a decode finding it there would receive only its tail.
+ABORT_PROMPTS = {"write": LONG, "read": LONG.replace("Question:", "Task:", 1)}
+
+
+@pytest.fixture(scope="module")
+def abort_tree(model_dir, tmp_path_factory):
+    """P TP2 + D TP2, shared by both modes' client-abort tests (a rank is stopped and resumed, no
+    process dies; each test ends by checking every block is free and the tree still answers as the
+    reference does), and the collocated TP=1 server's text for each mode's prompt."""
+    log_dir = tmp_path_factory.mktemp("abort-tree")
+    ref = Proc("collocated", ["--model", str(model_dir), "--served-model-name", "default", *ENGINE_ARGS], log_dir)
+    tree = Tree(model_dir, [], log_dir)
+    try:
+        tree.start("p-a", "prefill", 2)
+        tree.start("d-a", "decode", 2)
+        expected = {mode: _text(ref.wait_healthy().url, prompt) for mode, prompt in ABORT_PROMPTS.items()}
+        ref.stop()
+        yield tree, expected
+    finally:
+        ref.stop()
+        tree.close()
+
+
 @pytest.mark.parametrize("mode", ["write", "read"])
-def test_client_abort_mid_transfer_frees_both_sides(model_dir, tmp_path, mode):
+def test_client_abort_mid_transfer_frees_both_sides(abort_tree, mode):
     """P TP2 + D TP2. One rank is stopped (SIGSTOP) so the transfer cannot finish: in write mode
     prefill's rank 1 (decode has announced its blocks and waits for the push), in read mode
     decode's rank 1 (prefill holds its blocks, decode's read step cannot finish). The client
     closes its streaming connection, the rank resumes; every rank's blocks come back within a
     bound shorter than the transfer and hold timeouts (8 s), and the next request gets the
     collocated text."""
-    ref = Proc("collocated", ["--model", str(model_dir), "--served-model-name", "default", *ENGINE_ARGS], tmp_path)
-    tree = Tree(model_dir, [], tmp_path)
+    tree, expected = abort_tree
+    url = tree.route(mode)
+    prefill, decode = tree.instances["p-a"], tree.instances["d-a"]
+    aborts = _abort_count(decode.url)  # (the tree's earlier tests' aborts)
+    stopped = _rank_pid((prefill if mode == "write" else decode).engine_pid())
+    os.kill(stopped, signal.SIGSTOP)
     try:
-        tree.start("p-a", "prefill", 2)
-        tree.start("d-a", "decode", 2)
-        url = tree.route(mode)
-        prefill, decode = tree.instances["p-a"], tree.instances["d-a"]
-        stopped = _rank_pid((prefill if mode == "write" else decode).engine_pid())
-        os.kill(stopped, signal.SIGSTOP)
-        try:
-            body = json.dumps({"model": "default", "prompt": LONG, "max_tokens": 32, "temperature": 0,
-                               "stream": True, "ignore_eos": True}).encode()
-            host, port = url.removeprefix("http://").split(":")
-            sock = socket.create_connection((host, int(port)), timeout=10)
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
-            # The transfer is in flight: decode waits for the push (write), or prefill holds the
-            # finished prompt's blocks for decode, whose engine is stuck in the read's step (read).
-            watched, in_flight = (decode, _waiting_for_kv) if mode == "write" else (prefill, _holding)
-            deadline = time.monotonic() + 30
-            while not in_flight(watched.url):
-                assert time.monotonic() < deadline, f"no transfer in flight ({mode})"
+        body = json.dumps({"model": "default", "prompt": ABORT_PROMPTS[mode], "max_tokens": 32, "temperature": 0,
+                           "stream": True, "ignore_eos": True}).encode()
+        host, port = url.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
+        # The transfer is in flight: decode waits for the push (write), or prefill holds the
+        # finished prompt's blocks for decode, whose engine is stuck in the read's step (read).
+        watched, in_flight = (decode, _waiting_for_kv) if mode == "write" else (prefill, _holding)
+        deadline = time.monotonic() + 30
+        while not in_flight(watched.url):
+            assert time.monotonic() < deadline, f"no transfer in flight ({mode})"
+            time.sleep(0.1)
+        if mode == "read":
+            time.sleep(1)  # the router has handed the request to decode
+        sock.close()  # the client goes away mid-transfer
+        if mode == "write":  # decode's engine runs: it sees the abort while prefill is stalled
+            deadline = time.monotonic() + 10
+            while _abort_count(decode.url) == aborts:
+                assert time.monotonic() < deadline, "decode never saw the abort"
                 time.sleep(0.1)
-            if mode == "read":
-                time.sleep(1)  # the router has handed the request to decode
-            sock.close()  # the client goes away mid-transfer
-            if mode == "write":  # decode's engine runs: it sees the abort while prefill is stalled
-                deadline = time.monotonic() + 10
-                while _abort_count(decode.url) == 0:
-                    assert time.monotonic() < deadline, "decode never saw the abort"
-                    time.sleep(0.1)
-            else:
-                time.sleep(2)
-        finally:
-            os.kill(stopped, signal.SIGCONT)
-        # Freed by the abort itself (0.1-0.2 s on CPU), not by the 8 s transfer or hold timeouts.
-        wait_all_blocks_free([prefill.url, decode.url], timeout=6)
-        assert metric(decode.url, "num_requests_running") == 0
-        assert _abort_count(decode.url) == 1, "decode must end the request as aborted, not finish it"
-        expected = _text(ref.wait_healthy().url)
-        assert _text(url) == expected, "a request after the abort must get the collocated text"
-        wait_all_blocks_free([prefill.url, decode.url])
+        else:
+            time.sleep(2)
     finally:
-        tree.close()
-        ref.stop()
+        os.kill(stopped, signal.SIGCONT)
+    # Freed by the abort itself (0.1-0.2 s on CPU), not by the 8 s transfer or hold timeouts.
+    wait_all_blocks_free([prefill.url, decode.url], timeout=6)
+    assert metric(decode.url, "num_requests_running") == 0
+    assert _abort_count(decode.url) == aborts + 1, "decode must end the request as aborted, not finish it"
+    assert _text(url, ABORT_PROMPTS[mode]) == expected[mode], "a request after the abort must get the collocated text"
+    wait_all_blocks_free([prefill.url, decode.url])
 
 
-def _text(url: str) -> str:
+def _text(url: str, prompt: str = LONG) -> str:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
-    return client.completions.create(model="default", prompt=LONG, max_tokens=8, temperature=0).choices[0].text
+    return client.completions.create(model="default", prompt=prompt, max_tokens=8, temperature=0).choices[0].text

@@ -36,6 +36,7 @@ class ServerProcess:
         self.log_path = log_path
         cmd = [sys.executable, "-m", "tandem.server", "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.log = open(log_path, "w")
+        self.terminated = False  # SIGTERM sent by terminate()
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT)
 
     @classmethod
@@ -72,9 +73,15 @@ class ServerProcess:
         self.proc.kill()
         self.proc.wait()
 
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
+    def terminate(self) -> None:
+        """SIGTERM, once, if still running (stop() waits for it)."""
+        if self.proc.poll() is None and not self.terminated:
             self.proc.send_signal(signal.SIGTERM)
+            self.terminated = True
+
+    def stop(self, timeout: float = 30.0) -> int:
+        self.terminate()
+        if self.proc.poll() is None:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -82,6 +89,13 @@ class ServerProcess:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+def stop_all(procs, timeout: float = 30.0) -> list[int]:
+    """stop() each of procs, SIGTERM to all of them first: their shutdowns (seconds each) overlap."""
+    for p in procs:
+        p.terminate()
+    return [p.stop(timeout) for p in procs]
 
 
 def pid_alive(pid: int) -> bool:

@@ -3,7 +3,7 @@ the two "nodes" (loopback). Reference: the greedy output of a single-process ser
 import httpx
 
 from tests.ports import free_port_range
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import ServerProcess, stop_all
 
 PROMPT = "Question: Tom has 3 apples and buys 5 more. How many?\nAnswer:"
 
@@ -14,18 +14,17 @@ def _greedy(url: str) -> str:
 
 
 def test_node_rank_one_joins_node_zero(tiny_model_dir, tmp_path):
-    reference = ServerProcess.for_model(tiny_model_dir, tmp_path / "single.log", "--served-model-name", "m")
-    try:
-        expected = _greedy(reference.wait_healthy().url)
-    finally:
-        reference.stop()
     multi = ["--served-model-name", "m", "--tensor-parallel-size", "2", "--nnodes", "2",
              "--master-addr", "127.0.0.1", "--master-port", str(free_port_range(1))]
     node1 = ServerProcess.for_model(tiny_model_dir, tmp_path / "node1.log", *multi, "--node-rank", "1")
     node0 = ServerProcess.for_model(tiny_model_dir, tmp_path / "node0.log", *multi, "--node-rank", "0")
     try:
+        reference = ServerProcess.for_model(tiny_model_dir, tmp_path / "single.log", "--served-model-name", "m")
+        try:  # while the nodes start
+            expected = _greedy(reference.wait_healthy().url)
+        finally:
+            reference.stop()
         assert _greedy(node0.wait_healthy().url) == expected
         assert node1.proc.poll() is None, node1.read_log()
     finally:
-        node0.stop()
-        node1.stop()
+        stop_all([node0, node1])
