@@ -182,6 +182,22 @@ def _cold_candidates(m: int, n: int, k: int, block_k) -> list[dict]:
     return out
 
 
+def _swap_candidates(m: int, n: int, k: int, block_k) -> list[dict]:
+    """SWAP plans (the weight as the wgmma's M side): strip width x split x warps x K tile (per
+    channel), plus the activation quantization in the GEMM at 16 rows."""
+    from tandem.kernels.triton.fp8_skinny import row_bucket, swap_plan
+    bucket = row_bucket(m)
+    base = swap_plan(bucket, n, k, block_k)
+    out = []
+    quants = (True, False) if bucket == 16 else (False,)
+    bks = (block_k,) if block_k else (128, 256, 512)
+    for bn, split, warps, bk, st, quant in itertools.product((64, 128), (1, 2, 4, 8, 16), (4, 8), bks, (4,), quants):
+        if k % (split * bk) == 0 and k // split >= bk and not (warps == 8 and bn == 64):
+            out.append(dict(base, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, BLOCK_K=bk, num_stages=st,
+                            QUANT=quant))
+    return out
+
+
 def _time_plans(label: str, rule: dict, cands: list[dict], ref: torch.Tensor, run, timer) -> tuple[list, float]:
     """([(us, plan)] of the rule's plan and each candidate that computes ref (_timed_if_right),
     the rule's us or nan): run(plan) -> output, timer(plan) -> us per call."""
@@ -230,14 +246,14 @@ def _quant_variants(rule: dict) -> list[dict]:
 
 
 def cold_sweep_rows(rows_list=(1,), layouts=("block",), torch_only: bool = False,
-                    quant_only: bool = False) -> list[dict]:
+                    quant_only: bool = False, swap: bool = False) -> list[dict]:
     """Decode-tile plans timed as a decode step runs them: back to back inside a CUDA graph over
     weight copies that do not fit in L2 (do_bench on one weight reads it from L2). Each row's
     ceiling is the copy bandwidth measured now: of_floor = (weight + scale bytes) / time / bandwidth.
     Also, on the same shape: the bf16 skinny GEMM (twice the bytes), torch's FP8 GEMM (the one
     prefill rows take, its quantization launch included: the issue's 1.2x bar), and the plan the
     kernels pick (PLANS or the rule). torch_only: that plan and torch's GEMM only; quant_only:
-    that plan and _quant_variants of it."""
+    that plan and _quant_variants of it; swap: that plan and _swap_candidates."""
     from benchmarks.profile_decode import _in_graph_us
     from benchmarks.roofline import copy_bandwidth
     from tandem.kernels.fp8 import fp8_linear_ref
@@ -256,7 +272,8 @@ def cold_sweep_rows(rows_list=(1,), layouts=("block",), torch_only: bool = False
         rule = plan(m, n, k, bk)
         timed, us_rule = _time_plans(
             f"{m}x{n}x{k}", rule,
-            [] if torch_only else _quant_variants(rule) if quant_only else _cold_candidates(m, n, k, bk), ref,
+            [] if torch_only else _quant_variants(rule) if quant_only else _swap_candidates(m, n, k, bk) if swap
+            else _cold_candidates(m, n, k, bk), ref,
             lambda cand: fp8_linear_triton(x, wq, ws, block, cand),
             lambda cand: _in_graph_us(lambda i: fp8_linear_triton(x, wqs[i], ws, block, cand), copies, calls))
         rows += [dict(model="fp8-gemm-cold", what=f"{m}x{n}x{k} {layout}", us=us,
@@ -330,17 +347,17 @@ def w8a16_sweep_rows(rows_list=(1,), layouts=("block",)) -> list[dict]:
     return rows
 
 
-def chain_rows(rows_list=(1,), layers: int = 32) -> list[dict]:
+def chain_rows(rows_list=(1,), layers: int = 32, swap: bool = False) -> list[dict]:
     """The Llama-3-8B decode step's FP8 GEMMs alone (block-scaled): qkv, o, gate_up, down per layer,
     each the next's input, `layers` layers' weights (none read from L2 twice), back to back in one
     CUDA graph with PDL, with the plans the kernels pick: how near the copy bandwidth the GEMMs
     come without the step's other launches. of_floor = weight + scale bytes / time / copy
-    bandwidth (same run)."""
+    bandwidth (same run). swap: fp8_skinny.swap_plan's plans at up to 32 rows instead."""
     from benchmarks.profile_decode import _in_graph_us
     from benchmarks.roofline import copy_bandwidth
     from tandem.kernels.fp8 import fp8_dtype
     from tandem.kernels.triton.fp8 import fp8_linear_triton
-    from tandem.kernels.triton.fp8_skinny import plan
+    from tandem.kernels.triton.fp8_skinny import plan, row_bucket, swap_plan
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + written)", flush=True)
     dt = fp8_dtype("cuda")
@@ -355,7 +372,7 @@ def chain_rows(rows_list=(1,), layers: int = 32) -> list[dict]:
     rows = []
     for m in rows_list:
         x0 = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
-        plans = [plan(m, n, k, 128) for n, k in SHAPES]
+        plans = [swap_plan(row_bucket(m), n, k, 128) if swap and m <= 32 else plan(m, n, k, 128) for n, k in SHAPES]
 
         def step():
             x = x0
@@ -367,8 +384,9 @@ def chain_rows(rows_list=(1,), layers: int = 32) -> list[dict]:
                 x = fp8_linear_triton(x, wd, sd, (128, 128), plans[3])
             return x
         us = _in_graph_us(lambda i: step(), 1, 1)
-        row = dict(model="fp8-gemm-chain", what=f"{m} rows x {layers} layers", us=us, of_floor=nbytes / (us * 1e-6) / bw)
-        print(f"chain {m} rows: {us:.0f} us, {row['of_floor']:.1%} of copy bw", flush=True)
+        what = f"{m} rows x {layers} layers{' swap' if swap and m <= 32 else ''}"
+        row = dict(model="fp8-gemm-chain", what=what, us=us, of_floor=nbytes / (us * 1e-6) / bw)
+        print(f"chain {what}: {us:.0f} us, {row['of_floor']:.1%} of copy bw", flush=True)
         rows.append(row)
     return rows
 
@@ -388,14 +406,16 @@ if __name__ == "__main__":
                     help="the 8B step's FP8 GEMMs back to back in one graph (chain_rows)")
     ap.add_argument("--quant-variants", action="store_true",
                     help="time only the plan the kernels pick and its variants quantizing in the GEMM")
+    ap.add_argument("--swap", action="store_true",
+                    help="sweep SWAP plans (the weight as the wgmma's M side); with --chain: their rule")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.chain:
-        result = chain_rows(tuple(args.rows))
+        result = chain_rows(tuple(args.rows), swap=args.swap)
     elif args.w8a16:
         result = w8a16_sweep_rows(tuple(args.rows), tuple(args.layouts))
     else:
-        result = cold_sweep_rows(tuple(args.rows), tuple(args.layouts), args.vs_torch, args.quant_variants)
+        result = cold_sweep_rows(tuple(args.rows), tuple(args.layouts), args.vs_torch, args.quant_variants, args.swap)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
                                                   rows=result), indent=1))

@@ -17,6 +17,11 @@ kernels.fp8.quantize_rows does, instead of a quantization launch ahead of it:
     whole K, which is why plans turn it on only for very few rows); the sum is scaled at the end.
 Without QUANT, x is fp8 with its scales from quantize_rows_triton below.
 
+SWAP (a plan's choice): the tile computes out.T = w @ x.T, the weight strip as the MMA's M side, so
+that 1-32 rows run on Hopper's fp8 wgmma (m64 n16/n32) instead of mma.sync, which has no fp8 form on
+sm_90 (Triton converts both operands to f16 for it). The Llama-3-8B step at b=1 took 2.93 ms with
+SWAP plans against 3.06 / 3.05 ms before and after (H200, 2026-11-27).
+
 Tile plans come from PLANS, keyed by (row bucket, N, K, K block) with a rule-made default
 (plan()); `plans()` lists every distinct one a model's shapes can take. No autotuning at serve
 time: a plan is a function of the shape, so compile-ahead builds every one it will use.
@@ -47,21 +52,39 @@ def _k_mask(rk, k_left, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _w_tile(w_ptrs, n_mask, k_ok, SWAP: tl.constexpr):
+    """The weight tile at w_ptrs: [BK, BN], or [BN, BK] with SWAP (w's own K-contiguous rows)."""
+    if SWAP:
+        mask = n_mask[:, None] & k_ok[None, :]
+    else:
+        mask = n_mask[None, :] & k_ok[:, None]
+    return tl.load(w_ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _tile_dot(acc, xt, w, a_s, xs_ptrs, ws_ptrs, kb, m_mask, n_mask, fp8_max, q_ty: tl.constexpr,
-              PER_CHANNEL: tl.constexpr, QUANT: tl.constexpr):
+              PER_CHANNEL: tl.constexpr, QUANT: tl.constexpr, SWAP: tl.constexpr):
     """acc plus one K tile: x tile xt [BM, BK] (bf16/fp16 with QUANT, else fp8), w tile [BK, BN]
     fp8; per-channel: a_s [BM] the rows' scales (applied by the caller at the end); block: K block
-    kb's scales on the product."""
+    kb's scales on the product. SWAP: w [BN, BK] and acc [BN, BM] (acc.T += w @ xt.T)."""
     if PER_CHANNEL:
         if QUANT:
             xt = tl.minimum(tl.maximum(xt.to(tl.float32) / a_s[:, None], -fp8_max), fp8_max).to(q_ty)
-        return tl.dot(xt, w, acc)
-    if QUANT:
-        xt, s = _quant_tile(xt.to(tl.float32), fp8_max, q_ty)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(xt), acc)
+        else:
+            acc = tl.dot(xt, w, acc)
     else:
-        s = tl.load(xs_ptrs + kb, mask=m_mask, other=0.0)
-    w_s = tl.load(ws_ptrs + kb, mask=n_mask, other=0.0)
-    return acc + tl.dot(xt, w) * s[:, None] * w_s[None, :]
+        if QUANT:
+            xt, s = _quant_tile(xt.to(tl.float32), fp8_max, q_ty)
+        else:
+            s = tl.load(xs_ptrs + kb, mask=m_mask, other=0.0)
+        w_s = tl.load(ws_ptrs + kb, mask=n_mask, other=0.0)
+        if SWAP:
+            acc += tl.dot(w, tl.trans(xt)) * w_s[:, None] * s[None, :]
+        else:
+            acc += tl.dot(xt, w) * s[:, None] * w_s[None, :]
+    return acc
 
 
 @triton.jit
@@ -72,6 +95,7 @@ def _fp8_skinny_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, PER_CHANNEL: tl.constexpr, QUANT: tl.constexpr, NORM_OUT: tl.constexpr,
     NORM_IN: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr = 1,
+    SWAP: tl.constexpr = False,
 ):
     """out [M, N] = quant(x) @ w.T with the scales (module docstring). x [M, K] (bf16/fp16 with
     QUANT, else fp8 with xs [M, G]); w [N, K] fp8 with ws [N / rows_per_scale, Kb] (block) or [N];
@@ -80,7 +104,10 @@ def _fp8_skinny_kernel(
     pending_rstd; NORM_OUT with BLOCK_M = its MAX_ROWS): NORM_OUT adds the residual res [M, N] and
     writes sg = s * g and ss [BLOCK_M, strips]; NORM_IN scales the rows by their 1/rms from
     ss_in [BLOCK_M, in_strips] (x is then sg: quantizing it commutes with that row scale).
-    PRELOAD (1 or 2): weight tiles loaded before the PDL wait, while the kernel ahead runs."""
+    PRELOAD (1 or 2): weight tiles loaded before the PDL wait, while the kernel ahead runs.
+    SWAP: each tile computes out.T = w @ x.T, the weight tile as the MMA's M side (BLOCK_N >= 64):
+    at 16-32 rows that is Hopper's fp8 wgmma (m64 n16-32), where x's rows as M take mma.sync,
+    which has no fp8 form on sm_90 and converts both operands to f16 on the conversion units."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     q_ty = w_ptr.dtype.element_ty
@@ -94,15 +121,17 @@ def _fp8_skinny_kernel(
     k_hi = tl.minimum(K, k_lo + k_per)
     x_row = x_ptr + rm[:, None].to(tl.int64) * stride_xm
     x_ptrs = x_row + (k_lo + rk)[None, :]
-    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
+    if SWAP:
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
+    else:
+        w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
     ws_ptrs = ws_ptr + (rn // rows_per_scale).to(tl.int64) * stride_wsn
     xs_ptrs = xs_ptr + rm.to(tl.int64) * stride_xsm
     # the first weight tiles do not depend on the kernel ahead (PDL)
-    w0 = tl.load(w_ptrs, mask=n_mask[None, :] & _k_mask(rk, k_hi - k_lo, False)[:, None], other=0.0)
+    w0 = _w_tile(w_ptrs, n_mask, _k_mask(rk, k_hi - k_lo, False), SWAP)
     w1 = w0
     if PRELOAD >= 2:
-        w1 = tl.load(w_ptrs + BLOCK_K, mask=n_mask[None, :] & _k_mask(rk, k_hi - k_lo - BLOCK_K, False)[:, None],
-                     other=0.0)
+        w1 = _w_tile(w_ptrs + BLOCK_K, n_mask, _k_mask(rk, k_hi - k_lo - BLOCK_K, False), SWAP)
     wait_previous(PDL)
     out_mask = m_mask[:, None] & n_mask[None, :]
     r = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -125,22 +154,29 @@ def _fp8_skinny_kernel(
     # (a split past K) reads nothing and adds 0
     xt = tl.load(x_ptrs, mask=m_mask[:, None] & _k_mask(rk, k_hi - k_lo, False)[None, :], other=0.0)
     kb0 = tl.minimum(k_lo // BLOCK_K, tl.cdiv(K, BLOCK_K) - 1)  # (in range where the split is empty)
-    acc = _tile_dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), xt, w0, a_s, xs_ptrs, ws_ptrs, kb0,
-                    m_mask, n_mask, fp8_max, q_ty, PER_CHANNEL, QUANT)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = _tile_dot(acc, xt, w0, a_s, xs_ptrs, ws_ptrs, kb0, m_mask, n_mask, fp8_max, q_ty, PER_CHANNEL, QUANT,
+                    SWAP)
     if PRELOAD >= 2:  # (past k_hi: zero tiles, the scale index clamped)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         xt = tl.load(x_ptrs, mask=m_mask[:, None] & _k_mask(rk, k_hi - k_lo - BLOCK_K, False)[None, :], other=0.0)
         kb1 = tl.minimum(k_lo // BLOCK_K + 1, tl.cdiv(K, BLOCK_K) - 1)
-        acc = _tile_dot(acc, xt, w1, a_s, xs_ptrs, ws_ptrs, kb1, m_mask, n_mask, fp8_max, q_ty, PER_CHANNEL, QUANT)
+        acc = _tile_dot(acc, xt, w1, a_s, xs_ptrs, ws_ptrs, kb1, m_mask, n_mask, fp8_max, q_ty, PER_CHANNEL, QUANT,
+                        SWAP)
     for k0 in range(k_lo + PRELOAD * BLOCK_K, k_hi, BLOCK_K):
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         k_left = _k_mask(rk, k_hi - k0, EVEN_K)
-        w = tl.load(w_ptrs, mask=n_mask[None, :] & k_left[:, None], other=0.0)
+        w = _w_tile(w_ptrs, n_mask, k_left, SWAP)
         xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_left[None, :], other=0.0)
         acc = _tile_dot(acc, xt, w, a_s, xs_ptrs, ws_ptrs, k0 // BLOCK_K, m_mask, n_mask, fp8_max, q_ty,
-                        PER_CHANNEL, QUANT)
+                        PER_CHANNEL, QUANT, SWAP)
+    if SWAP:
+        acc = tl.trans(acc)
     if PER_CHANNEL:
         acc *= a_s[:, None] * tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
     if NORM_IN:
@@ -168,8 +204,9 @@ def row_bucket(m: int) -> int:
     return next(b for b in ROW_BUCKETS if m <= b)
 
 
-def _plan(bn: int, bk: int, split: int, quant: bool, warps: int) -> dict:
-    return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, QUANT=quant, num_warps=warps, num_stages=4)
+def _plan(bn: int, bk: int, split: int, quant: bool, warps: int, swap: bool = False) -> dict:
+    return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, QUANT=quant, num_warps=warps, num_stages=4,
+                **({"SWAP": True} if swap else {}))
 
 
 # Measured plans: (row bucket, N, K, the weight's K block or None per-channel) -> plan, the best of
@@ -179,13 +216,13 @@ def _plan(bn: int, bk: int, split: int, quant: bool, warps: int) -> dict:
 # _plan(BLOCK_N, BLOCK_K, SPLIT_K, QUANT, num_warps); the comments: us per call at 1 or 64 rows,
 # that plan / the rule then (which quantized in the GEMM at 16 rows).
 PLANS: dict[tuple[int, int, int, int | None], dict] = {
-    (16, 6144, 4096, 128): _plan(32, 128, 4, False, 2),  # 14.4/19.7
+    (16, 6144, 4096, 128): _plan(64, 128, 4, False, 4, swap=True),  # H100 11-27, 1 row: 13.9 us / 14.2 (plan before)
     (16, 6144, 4096, None): _plan(32, 512, 1, False, 2),  # 14.6/39.5
-    (16, 4096, 4096, 128): _plan(64, 128, 8, True, 4),  # 11.1/17.0
+    (16, 4096, 4096, 128): _plan(128, 128, 8, True, 4, swap=True),  # H100 11-27: 10.2 / 11.3
     (16, 4096, 4096, None): _plan(16, 512, 1, False, 2),  # 11.1/26.0
-    (16, 28672, 4096, 128): _plan(32, 128, 1, False, 2),  # 48.4/62.3
+    (16, 28672, 4096, 128): _plan(64, 128, 1, False, 4, swap=True),  # H100 11-27: 47.7 / 48.3
     (16, 28672, 4096, None): _plan(16, 512, 1, False, 2),  # 50.7/141.8
-    (16, 4096, 14336, 128): _plan(16, 128, 4, False, 2),  # 28.1/45.0
+    (16, 4096, 14336, 128): _plan(128, 128, 8, True, 4, swap=True),  # H100 11-27: 27.3 / 28.1
     (16, 5120, 2048, 128): _plan(64, 128, 8, True, 2),  # 7.5/11.4
     (16, 5120, 2048, None): _plan(32, 512, 2, False, 4),  # 9.4/20.9
     (16, 2048, 4096, 128): _plan(64, 128, 16, True, 2),  # 7.0/10.7
@@ -217,6 +254,17 @@ def default_plan(bucket: int, n: int, k: int, block_k: int | None, sms: int = 13
         split *= 2
     return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, QUANT=False, num_warps=4 if bucket == 64 else 2,
                 num_stages=4)
+
+
+def swap_plan(bucket: int, n: int, k: int, block_k: int | None, sms: int = 132) -> dict:
+    """The rule for SWAP tiles (the weight as the wgmma's M side): 64-column strips, one warpgroup;
+    K tiles and the split as default_plan's."""
+    bk = block_k if block_k else 256
+    strips = triton.cdiv(n, 64)
+    split = 1
+    while strips * split < 2 * sms and k // (2 * split) >= 4 * bk and split < 16:
+        split *= 2
+    return dict(BLOCK_N=64, BLOCK_K=bk, SPLIT_K=split, QUANT=False, num_warps=4, num_stages=4, SWAP=True)
 
 
 def plan(m: int, n: int, k: int, block_k: int | None, sms: int = 132) -> dict:

@@ -103,6 +103,16 @@ SKINNY_CASES = [  # (rows, N, K, block, decode-tile plan): every branch of kerne
                                    PRELOAD=2)),
     # the same per-channel with ragged K
     (64, 48, 200, None, dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, QUANT=False, num_warps=4, num_stages=4, PRELOAD=2)),
+    # SWAP (the weight tile as the MMA's M side): block-scaled, quantized in the GEMM, strips past N,
+    # the last split one tile deep
+    (3, 200, 384, (128, 128), dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, QUANT=True, num_warps=4, num_stages=4,
+                                   SWAP=True)),
+    # SWAP per-channel quantized ahead, 32-row tile, ragged K
+    (20, 130, 200, None, dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, QUANT=False, num_warps=4, num_stages=4,
+                              SWAP=True)),
+    # SWAP block-scaled quantized ahead, K 300 split in 4: the last split is past K
+    (1, 96, 300, (128, 128), dict(BLOCK_N=128, BLOCK_K=128, SPLIT_K=4, QUANT=False, num_warps=4, num_stages=4,
+                                  SWAP=True)),
 ]
 MOE_CASES = [  # (tokens, hidden, inter, experts, top_k, block)
     (1, 128, 256, 8, 2, (128, 128)), (5, 128, 128, 4, 2, None), (70, 256, 128, 8, 3, (128, 128)),
@@ -145,11 +155,12 @@ PENDING_NORM_CASES = [  # (rows, K1, N, N2, block): GEMM ahead [N, K1] leaves th
 ]
 
 
-def run_pending_norm_case(case, device, dtype, quant_after: bool = True) -> None:
+def run_pending_norm_case(case, device, dtype, quant_after: bool = True, swap: bool = False) -> None:
     """The FP8 decode GEMM ahead of an RMSNorm (o_proj-like: adds the residual, leaves the norm
     pending) and the GEMM after it applying it, against fp8_linear_ref + rms_norm_ref; the
     bf16 skinny GEMM (kernels/triton/linear.py) takes the same pending norm. quant_after: the
-    GEMM after quantizes its rows itself (off in the interpreter, whose e4m3 cast misrounds)."""
+    GEMM after quantizes its rows itself (off in the interpreter, whose e4m3 cast misrounds).
+    swap: both GEMMs on SWAP tiles (the weight as the MMA's M side)."""
     from tandem.kernels.norm import rms_norm_ref
     from tandem.kernels.triton.fp8_skinny import fp8_skinny_add_norm_triton, fp8_skinny_normed_triton
     from tandem.kernels.triton.linear import skinny_linear_normed_triton
@@ -164,6 +175,8 @@ def run_pending_norm_case(case, device, dtype, quant_after: bool = True) -> None
     q1, s1, q2, s2, x, res, nw, w_dense = (t.to(device) for t in (q1, s1, q2, s2, x, res, nw, w_dense))
     ahead = dict(BLOCK_N=16, BLOCK_K=128, SPLIT_K=2 if k1 >= 256 else 1, QUANT=True, num_warps=2, num_stages=4)
     after = dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, QUANT=quant_after, num_warps=2, num_stages=4)
+    if swap:
+        ahead, after = dict(ahead, BLOCK_N=64, num_warps=4, SWAP=True), dict(after, BLOCK_N=128, num_warps=4, SWAP=True)
     s_ref = (fp8_linear_ref(x.float(), q1, s1, block).to(act).float() + res.float()).to(act)
     h_ref = rms_norm_ref(s_ref, nw, 1e-6)
     y_ref = fp8_linear_ref(h_ref.float(), q2, s2, block)
@@ -384,8 +397,9 @@ def test_fp8_torch_gemm_gpu(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", PENDING_NORM_CASES)
 @pytest.mark.parametrize("quant_after", [True, False])
-def test_fp8_pending_norm_gpu(case, quant_after):
-    run_pending_norm_case(case, "cuda", _gpu_fp8(), quant_after)
+@pytest.mark.parametrize("swap", [False, True])
+def test_fp8_pending_norm_gpu(case, quant_after, swap):
+    run_pending_norm_case(case, "cuda", _gpu_fp8(), quant_after, swap)
 
 
 @pytest.mark.gpu
@@ -461,6 +475,7 @@ def test_paged_attention_fp8_kv_gpu(q_len, int_convert):
     assert _rel(out, ref) < 2e-2
 
 
+
 if __name__ == "__main__":
     _interpreter_main()
 
@@ -515,7 +530,7 @@ def test_fp8_gemm_plans_compile_for_sm90():
             norm_out = rows == 16 and quant  # the GEMM ahead of a pending norm (NORM_OUT) at 16 rows
             consts = dict(BLOCK_M=rows, SPLIT_K=p.pop("SPLIT_K"), EVEN_K=True, PER_CHANNEL=block_k is None,
                           QUANT=quant, NORM_OUT=norm_out, NORM_IN=rows == 16 and not norm_out, S_PAD=256, PDL=True,
-                          **p)
+                          **dict(dict(PRELOAD=1, SWAP=False), **p))
             compiled = _compile_sm90(_fp8_skinny_kernel, dict(ptrs, x_ptr="*bf16" if quant else "*fp8e4nv"), consts,
                                      warps, stages)
         else:
