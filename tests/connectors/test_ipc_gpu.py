@@ -60,6 +60,22 @@ CASES = [pytest.param(mode, a, t, src, dst, marks=marks, id=f"{mode}-{a}-{t}-{sr
     pytest.param(mode, a, t, "cpu", "cpu", marks=marks, id=f"{mode}-{a}-{t}-cpu-cpu") for mode, a, t, marks in CPU_CASES]
 
 
+@pytest.fixture(scope="module")
+def expected_tokens():
+    """dst device -> (prompt ids, the collocated engine's greedy tokens there): the reference,
+    computed once per device for every case that decodes on it."""
+    cache = {}
+
+    def get(dst: str) -> tuple[list[list[int]], list[list[int]]]:
+        if dst not in cache:
+            ref_llm = LLM(DEFAULT_MODEL_DIR, device=dst, dtype="float32", num_gpu_blocks_override=512)
+            ids = [ref_llm.tokenizer.encode(p) for p in PROMPTS]
+            cache[dst] = ids, [o.token_ids for o in ref_llm.generate(ids, PARAMS)]
+            del ref_llm
+        return cache[dst]
+    return get
+
+
 @pytest.fixture(autouse=True)
 def _keep_num_threads():
     num_threads = torch.get_num_threads()
@@ -68,13 +84,10 @@ def _keep_num_threads():
 
 
 @pytest.mark.parametrize("mode,async_scheduling,transport,src,dst", CASES)
-def test_gpu_pd_matches_collocated(mode, async_scheduling, transport, src, dst):
+def test_gpu_pd_matches_collocated(expected_tokens, mode, async_scheduling, transport, src, dst):
     if dst == "cpu":  # both engines step in busy loops: one torch thread each, or their threads oversubscribe
         torch.set_num_threads(1)  # the CPU cores and every step waits on a descheduled one (3-4x slower)
-    ref_llm = LLM(DEFAULT_MODEL_DIR, device=dst, dtype="float32", num_gpu_blocks_override=512)
-    ids = [ref_llm.tokenizer.encode(p) for p in PROMPTS]
-    expected = [o.token_ids for o in ref_llm.generate(ids, PARAMS)]
-    del ref_llm
+    ids, expected = expected_tokens(dst)
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_prefill_main, args=(inbox, outbox, async_scheduling, transport, src),
