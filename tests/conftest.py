@@ -14,3 +14,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    from tests import interpreter  # its runs start together (tests/interpreter.py)
+
+    interpreter.collected.update(item.module.__name__ for item in session.items if item.module is not None)
