@@ -339,7 +339,7 @@ def sweep_chunk_attention():
                 print(f"sweep chunk {chunk}@{ctx} {plan}: failed {str(e).splitlines()[0][:60]}")
 
 
-def sweep_decode_attention(kv_dtype: torch.dtype = BF16):
+def sweep_decode_attention(kv_dtype: torch.dtype = BF16, regs_only: bool = False):
     """Decode launch plans as a CUDA graph runs them: max_seq_len = max_model_len (8192), so the
     split count is fixed for the longest context and the keys per split adapt at run time. With an
     fp8 cache (kv_dtype) as the engine's --kv-cache-dtype fp8 stores it; GB/s counts K and V bytes.
@@ -359,8 +359,12 @@ def sweep_decode_attention(kv_dtype: torch.dtype = BF16):
             space = itertools.product((64, 128), (1, 2), (4, 8), (2, 3, 4), (False, True))
         else:
             space = itertools.product((32, 64, 128), (16, 32, 64), (2, 4), (2,), (False, True))
+        if regs_only:  # the register cap (ptxas maxrregcount: more programs per SM) on a few tile shapes
+            space = [(bn, default["NUM_SPLITS"], w, st, regs) for bn, w, st in ((128, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2))
+                     for regs in (0, 168, 128, 96)]
         for bn, splits, w, st, scalar in space:
-            plan = dict(default, BLOCK_N=bn, NUM_SPLITS=splits, num_warps=w, num_stages=st, BT_SCALAR=scalar)
+            plan = dict(default, BLOCK_N=bn, NUM_SPLITS=splits, num_warps=w, num_stages=st,
+                        **(dict(maxnreg=scalar) if regs_only else dict(BT_SCALAR=scalar)))
             plan.pop("Q_RANGE")
             run = lambda: _paged_attention(q, kc, vc, bt, sl, qsl, D**-0.5, 1, 8192, plan=plan)  # noqa: E731
             try:
@@ -431,13 +435,15 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="time tile-shape variants first")
     parser.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16",
                         help="the cache dtype of the decode sweep (fp8: e4m3, as --kv-cache-dtype fp8)")
+    parser.add_argument("--max-regs", action="store_true",
+                        help="the decode sweep times register caps (more programs per SM) on a few tile shapes instead")
     args = parser.parse_args()
     torch.manual_seed(0)
     only = args.only.split(",") if args.only else list(SECTIONS)
     if args.sweep:
         kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else BF16
         sweeps = dict(attention=sweep_attention, chunk=sweep_chunk_attention,
-                      decode=lambda: sweep_decode_attention(kv_dtype), moe=sweep_moe)
+                      decode=lambda: sweep_decode_attention(kv_dtype, args.max_regs), moe=sweep_moe)
         for name, fn in sweeps.items():
             if name in only:
                 fn()

@@ -368,6 +368,11 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
         splits = max(1, min(splits, 2 ** (max(1, max_by_memory).bit_length() - 1)))
     narrow = dict(BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=4,
                   num_stages=3 if kv_bytes == 1 else 2)
+    if kv_bytes == 1 and splits == 1 and q.is_cuda and torch.version.cuda is not None:
+        # a full grid over an fp8 cache: the 128-key tiles take 254 registers a thread (2 programs an
+        # SM); 64-key tiles capped at 128 registers run 4, and 4 programs' loads in flight beat 2
+        # (64 decodes at 1k / 4k context on an H100: 69.3 / 220.6 us against 74.4 / 236.4)
+        narrow.update(BLOCK_N=64, num_stages=2, maxnreg=128)
     if narrow_only:
         return [dict(narrow, Q_RANGE=_ALL_Q)]
     if small and q.element_size() == 2 and dense:
@@ -477,6 +482,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             ROPE=rope is not None, QK_NORM=rope is not None and rope.qk_norm is not None,
             ROT=rope.cos_sin_cache.shape[-1] if rope is not None else 0, FAST_CVT=fast,
             num_warps=p["num_warps"], num_stages=p["num_stages"], **launch_args(q, pdl),
+            **({"maxnreg": p["maxnreg"]} if p.get("maxnreg") else {}),
         )
         if splits > 1:
             _merge_splits_kernel[(num_tokens, num_heads)](
