@@ -217,16 +217,17 @@ def _plan(bn: int, bk: int, split: int, quant: bool, warps: int, swap: bool = Fa
 # that plan / the rule then (which quantized in the GEMM at 16 rows).
 PLANS: dict[tuple[int, int, int, int | None], dict] = {
     (16, 6144, 4096, 128): _plan(64, 128, 4, False, 4, swap=True),  # H100 11-27, 1 row: 13.9 us / 14.2 (plan before)
-    (16, 6144, 4096, None): _plan(32, 512, 1, False, 2),  # 14.6/39.5
+    (16, 6144, 4096, None): _plan(64, 256, 1, False, 4, swap=True),  # H100 11-27, 16 rows: 13.7 / 14.9
     (16, 4096, 4096, 128): _plan(128, 128, 8, True, 4, swap=True),  # H100 11-27: 10.2 / 11.3
-    (16, 4096, 4096, None): _plan(16, 512, 1, False, 2),  # 11.1/26.0
+    (16, 4096, 4096, None): _plan(64, 512, 1, False, 4, swap=True),  # H100 11-27, 16 rows: 11.1 / 13.2
     (16, 28672, 4096, 128): _plan(64, 128, 1, False, 4, swap=True),  # H100 11-27: 47.7 / 48.3
-    (16, 28672, 4096, None): _plan(16, 512, 1, False, 2),  # 50.7/141.8
+    (16, 28672, 4096, None): _plan(64, 256, 1, False, 4, swap=True),  # H100 11-27, 16 rows: 48.3 / 52.5
     (16, 4096, 14336, 128): _plan(128, 128, 8, True, 4, swap=True),  # H100 11-27: 27.3 / 28.1
+    (16, 4096, 14336, None): _plan(64, 512, 1, False, 4, swap=True),  # H100 11-27, 16 rows: 33.7 / 37.8
     (16, 5120, 2048, 128): _plan(64, 128, 8, True, 2),  # 7.5/11.4
-    (16, 5120, 2048, None): _plan(32, 512, 2, False, 4),  # 9.4/20.9
+    (16, 5120, 2048, None): _plan(64, 256, 1, False, 4, swap=True),  # H100 11-27, 16 rows: 8.4 / 9.8
     (16, 2048, 4096, 128): _plan(64, 128, 16, True, 2),  # 7.0/10.7
-    (16, 2048, 4096, None): _plan(32, 512, 4, False, 4),  # 8.6/14.2
+    (16, 2048, 4096, None): _plan(64, 512, 4, False, 4, swap=True),  # H100 11-27, 16 rows: 8.8 / 9.7
     (64, 6144, 4096, 128): _plan(64, 128, 2, False, 4),  # 17.9/18.8
     (64, 6144, 4096, None): _plan(32, 128, 1, False, 4),  # 16.6/17.9
     (64, 4096, 4096, 128): _plan(32, 128, 2, False, 4),  # 14.2/14.7
