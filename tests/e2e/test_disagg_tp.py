@@ -112,8 +112,8 @@ def test_pd_with_tp_matches_collocated(model, tmp_path):
             wait_all_blocks_free([p.url for p in tree.instances.values()])
         if tp_flags:  # MoE: EP changes the instances' experts, not their KV layout; (P1, D2)'s split is the dense one
             return
+        tree.start("p-b", "prefill", 1)  # (starting while the two it replaces stop)
         tree.stop("p-a", "d-b")
-        tree.start("p-b", "prefill", 1)
         for mode in ("write", "read"):  # (P1, D2)
             assert generate(tree.route(mode)) == expected, mode
             wait_all_blocks_free([p.url for p in tree.instances.values()])
