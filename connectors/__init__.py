@@ -1,14 +1,16 @@
 """Moving KV cache between instances (PD disaggregation): the connector and its transports."""
 import logging
+from typing import TYPE_CHECKING
 
-from tandem.engine.config import EngineConfig
+if TYPE_CHECKING:  # (not at run time: the router imports connectors.params, and engine.config imports torch)
+    from tandem.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
 CONNECTORS = ("TandemConnector",)
 
 
-def build_connector(config: EngineConfig, runner, hf_config, group=None):
+def build_connector(config: "EngineConfig", runner, hf_config, group=None):
     """The KV connector of one rank, per --kv-transfer-config: (scheduler side on rank 0 else
     None, this rank's worker side). Every rank of the instance calls this at the same point:
     the ranks exchange their data addresses over `group` (torch.distributed, TP > 1)."""

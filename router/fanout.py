@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from tandem.router.errors import RouterError
 from tandem.router.relay import OnClose, RelayResponse
 from tandem.router.upstream import UpstreamStream
-from tandem.server.generation import choice_seed
+from tandem.server.protocol import choice_seed  # (not server.generation: it imports the engine, torch)
 
 MAX_N = 128  # the API server's bound; a larger n goes unsplit to the instance, which answers the 400
 _INT64 = 1 << 63

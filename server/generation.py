@@ -17,23 +17,16 @@ from tandem.server.detokenizer import IncrementalDetokenizer
 from tandem.server.engine_client import EngineClient
 from tandem.server.errors import APIError
 from tandem.server.metrics import ServerMetrics
-from tandem.server.protocol import MAX_LOGPROBS, GenerationFields, usage
+from tandem.server.protocol import MAX_LOGPROBS, GenerationFields, choice_seed, usage
 from tandem.server.request_fields import check_extra_fields, logit_bias_of, structured_params
 from tandem.server.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 MAX_N = 128
-_SEED_STRIDE = 0x9E3779B97F4A7C15  # sample j > 0 of a seeded request gets a well-spread seed
 # generation_config.json keys that become default sampling parameters (as in vLLM)
 _GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                         "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-
-
-def choice_seed(seed: int | None, j: int) -> int | None:
-    """The seed of sample j of a request seeded `seed` (j = 0 keeps it; None stays None). The
-    router seeds the sub-requests of a PD deployment's n > 1 the same way (router/fanout.py)."""
-    return seed if seed is None or j == 0 else (seed + j * _SEED_STRIDE) % (1 << 63)
 
 
 def generation_defaults(setting: str, model_path: str) -> dict:

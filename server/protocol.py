@@ -10,6 +10,7 @@ from tandem.engine.protocol import TokenLogprobs
 
 MAX_LOGPROBS = 20
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp the same way
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # sample j > 0 of a seeded request gets a well-spread seed
 
 
 class StreamOptions(BaseModel):
@@ -170,6 +171,12 @@ class ChatCompletionRequest(GenerationFields):
 
 def clamp_logprob(value: float) -> float:
     return value if value > _MIN_LOGPROB and not math.isnan(value) else _MIN_LOGPROB
+
+
+def choice_seed(seed: int | None, j: int) -> int | None:
+    """The seed of sample j of a request seeded `seed` (j = 0 keeps it; None stays None). The
+    router seeds the sub-requests of a PD deployment's n > 1 the same way (router/fanout.py)."""
+    return seed if seed is None or j == 0 else (seed + j * _SEED_STRIDE) % (1 << 63)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
