@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from tandem.router.errors import RouterError
 from tandem.router.relay import OnClose, RelayResponse
 from tandem.router.upstream import UpstreamStream
-from tandem.server.protocol import choice_seed  # (not server.generation: it imports the engine, torch)
+# (not server.generation: it imports the engine, torch); a larger n than MAX_N goes unsplit to the
+# instance, which answers the 400
+from tandem.server.protocol import MAX_N, choice_seed
 
-MAX_N = 128  # the API server's bound; a larger n goes unsplit to the instance, which answers the 400
 _INT64 = 1 << 63
 
 

@@ -17,13 +17,12 @@ from tandem.server.detokenizer import IncrementalDetokenizer
 from tandem.server.engine_client import EngineClient
 from tandem.server.errors import APIError
 from tandem.server.metrics import ServerMetrics
-from tandem.server.protocol import MAX_LOGPROBS, GenerationFields, choice_seed, usage
+from tandem.server.protocol import MAX_LOGPROBS, MAX_N, GenerationFields, choice_seed, usage
 from tandem.server.request_fields import check_extra_fields, logit_bias_of, structured_params
 from tandem.server.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-MAX_N = 128
 # generation_config.json keys that become default sampling parameters (as in vLLM)
 _GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                         "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tandem.engine.protocol import TokenLogprobs
 
 MAX_LOGPROBS = 20
+MAX_N = 128  # choices a request may ask for (the router splits n up to it, router/fanout.py)
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp the same way
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # sample j > 0 of a seeded request gets a well-spread seed
 
