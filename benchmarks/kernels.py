@@ -362,9 +362,9 @@ def sweep_decode_attention(kv_dtype: torch.dtype = BF16, regs_only: bool = False
         if regs_only:  # the register cap (ptxas maxrregcount: more programs per SM) on a few tile shapes
             space = [(bn, default["NUM_SPLITS"], w, st, regs) for bn, w, st in ((128, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2))
                      for regs in (0, 168, 128, 96)]
-        for bn, splits, w, st, scalar in space:
+        for bn, splits, w, st, knob in space:  # knob: the register cap (regs_only), else BT_SCALAR
             plan = dict(default, BLOCK_N=bn, NUM_SPLITS=splits, num_warps=w, num_stages=st,
-                        **(dict(maxnreg=scalar) if regs_only else dict(BT_SCALAR=scalar)))
+                        **(dict(maxnreg=knob) if regs_only else dict(BT_SCALAR=knob)))
             plan.pop("Q_RANGE")
             run = lambda: _paged_attention(q, kc, vc, bt, sl, qsl, D**-0.5, 1, 8192, plan=plan)  # noqa: E731
             try:

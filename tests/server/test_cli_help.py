@@ -85,11 +85,10 @@ def help_runs() -> dict[str, subprocess.CompletedProcess]:
 @pytest.mark.parametrize("name", list(HELP_ARGVS))
 def test_help_exits_zero(help_runs, name: str) -> None:
     argv, proc = HELP_ARGVS[name], help_runs[name]
-    stdout = proc.stdout
     assert proc.returncode == 0, proc.stderr
-    assert "--port" in stdout and "--registry-port" in stdout
+    assert "--port" in proc.stdout and "--registry-port" in proc.stdout
     if argv[1:] == ["tandem.server"]:
-        assert "--max-model-len" in stdout and "--role router --help" in stdout
+        assert "--max-model-len" in proc.stdout and "--role router --help" in proc.stdout
     else:  # the router's own CLI (`server --role router` becomes it)
-        assert "--instance-timeout" in stdout and "--api-key-file" in stdout
-        assert "--max-model-len" not in stdout
+        assert "--instance-timeout" in proc.stdout and "--api-key-file" in proc.stdout
+        assert "--max-model-len" not in proc.stdout
