@@ -9,6 +9,10 @@ to `--context` tokens, then per decode step reports
   (d) the host phases of a step (schedule, prepare, forward launch, SamplingBatch.build, sample
       + token readback, update; wall time),
   (e) the kernels of one replay (torch.profiler; name, count, us, share),
+  (f) the replay as a chain: what each kernel adds to its span (with PDL a kernel starts while the
+      one ahead drains, so (e)'s durations overlap and include waits; here each kernel is charged
+      from the later of its start and the previous kernels' end to its own end, and the GPU's idle
+      gaps between kernels are counted apart: exposed + idle = the replay's span),
 and, per linear layer of layer 0, the GEMM at this batch (achieved GB/s). To profile another
 kernel configuration, pass its flags (--no-pdl, --no-fuse-norms, ...: engine/config.py, KernelConfig).
 
@@ -110,6 +114,47 @@ def kernel_table(fn, reps: int = 10) -> list[dict]:
     return sorted(out, key=lambda r: -r["us"])
 
 
+def chain_attribution(replays: list[list[tuple[str, float, float]]]) -> dict:
+    """replays: the kernels of each replay as (name, start, end) in us, any order -> per kernel name
+    the count, exposed us (end minus the later of its start and every earlier kernel's end: what it
+    adds to the replay's span) and idle us before it (the GPU running none of the replay's kernels),
+    per replay; and the mean span. Exposed plus idle over all names is the span."""
+    rows = defaultdict(lambda: [0, 0.0, 0.0])
+    spans = []
+    for events in replays:
+        events = sorted(events, key=lambda e: (e[1], e[2]))
+        done = events[0][1] if events else 0.0
+        for name, start, end in events:
+            r = rows[name]
+            r[0] += 1
+            r[1] += max(0.0, end - max(done, start))
+            r[2] += max(0.0, start - done)
+            done = max(done, end)
+        spans.append(done - events[0][1] if events else 0.0)
+    n = max(1, len(replays))
+    out = [dict(kernel=name, count=c / n, exposed_us=e / n, idle_before_us=i / n) for name, (c, e, i) in rows.items()]
+    return dict(span_us=sum(spans) / n, kernels=sorted(out, key=lambda r: -(r["exposed_us"] + r["idle_before_us"])))
+
+
+def chain_table(fn, reps: int = 10) -> dict:
+    """chain_attribution of `reps` calls of fn (graph replays), each run alone (synchronized)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+            torch.cuda.synchronize()
+    events = sorted(((ev.name, ev.time_range.start, ev.time_range.end) for ev in prof.events()
+                     if ev.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in ev.name
+                     and "Memset" not in ev.name), key=lambda e: e[1])
+    per = len(events) // reps if reps and len(events) % reps == 0 else 0
+    if not per:  # (kernels not seen inside the replays, or a count that does not split evenly)
+        return dict(span_us=0.0, kernels=[])
+    return chain_attribution([events[i * per:(i + 1) * per] for i in range(reps)])
+
+
 def _in_graph_us(fn, copies: int, calls: int = 8) -> float:
     """Microseconds per call of fn(i) replayed `calls` times back to back in one graph, cycling
     over `copies` weight copies so that none is read from L2 (as in a decode step)."""
@@ -200,7 +245,7 @@ def profile_variant(llm, batch: int, label: str, with_logits: bool, steps: int) 
         kernels = kernel_table(torch.inference_mode()(lambda: g._forward(batch)))
     return dict(variant=label, lm_head_in_graph=with_logits, step_us=step_us, graph_replay_us=replay_us,
                 graph_launch_host_us=launch_us, lm_head_and_sampling_eager_us=head_us, host_us=host,
-                kernels=kernels)
+                kernels=kernels, chain=chain_table(graph.replay))
 
 
 def print_variant(r: dict, floor_us: float) -> None:
@@ -220,6 +265,15 @@ def print_variant(r: dict, floor_us: float) -> None:
     total = sum(k["us"] for k in r["kernels"])
     count = sum(k["count"] for k in r["kernels"])
     print(f"    {'all kernels':<72}{count:>7.0f}{total:>9.1f}")
+    chain = r["chain"]
+    if chain["kernels"]:
+        print(f"(f) one replay as a chain: span {chain['span_us']:.0f} us = exposed + idle, per kernel:")
+        print(f"    {'kernel':<72}{'count':>7}{'exposed':>9}{'idle':>7}")
+        for k in chain["kernels"][:40]:
+            print(f"    {k['kernel'][:72]:<72}{k['count']:>7.1f}{k['exposed_us']:>9.1f}{k['idle_before_us']:>7.1f}")
+        print(f"    {'all kernels':<72}{sum(k['count'] for k in chain['kernels']):>7.0f}"
+              f"{sum(k['exposed_us'] for k in chain['kernels']):>9.1f}"
+              f"{sum(k['idle_before_us'] for k in chain['kernels']):>7.1f}")
 
 
 def main() -> None:
