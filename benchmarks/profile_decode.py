@@ -92,8 +92,9 @@ def gpu_time_us(fn, reps: int = 50) -> float:
     return statistics.median(times)
 
 
-def kernel_table(fn, reps: int = 10) -> list[dict]:
-    """Kernels of `reps` calls of fn (graph replays show their kernels): per call."""
+def _kernel_events(fn, reps: int, sync_each: bool = False) -> list[tuple[str, float, float]]:
+    """The GPU kernels (no copies or memsets) of `reps` calls of fn (graph replays show their
+    kernels) as (name, start us, end us) in start order; sync_each: each call run alone."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -101,16 +102,22 @@ def kernel_table(fn, reps: int = 10) -> list[dict]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
+            if sync_each:
+                torch.cuda.synchronize()
         torch.cuda.synchronize()
+    return sorted(((ev.name, ev.time_range.start, ev.time_range.end) for ev in prof.events()
+                   if ev.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in ev.name
+                   and "Memset" not in ev.name), key=lambda e: e[1])
+
+
+def kernel_table(fn, reps: int = 10) -> list[dict]:
+    """Kernels of `reps` calls of fn: per call, with their share of the kernels' time."""
     rows = defaultdict(lambda: [0, 0.0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            r = rows[ev.name]
-            r[0] += 1
-            r[1] += ev.time_range.elapsed_us()
+    for name, start, end in _kernel_events(fn, reps):
+        rows[name][0] += 1
+        rows[name][1] += end - start
     total = sum(t for _, t in rows.values()) or 1.0
-    out = [dict(kernel=name, count=c / reps, us=t / reps, share=t / total)
-           for name, (c, t) in rows.items() if "Memcpy" not in name and "Memset" not in name]
+    out = [dict(kernel=name, count=c / reps, us=t / reps, share=t / total) for name, (c, t) in rows.items()]
     return sorted(out, key=lambda r: -r["us"])
 
 
@@ -138,17 +145,7 @@ def chain_attribution(replays: list[list[tuple[str, float, float]]]) -> dict:
 
 def chain_table(fn, reps: int = 10) -> dict:
     """chain_attribution of `reps` calls of fn (graph replays), each run alone (synchronized)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-            torch.cuda.synchronize()
-    events = sorted(((ev.name, ev.time_range.start, ev.time_range.end) for ev in prof.events()
-                     if ev.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in ev.name
-                     and "Memset" not in ev.name), key=lambda e: e[1])
+    events = _kernel_events(fn, reps, sync_each=True)
     per = len(events) // reps if reps and len(events) % reps == 0 else 0
     if not per:  # (kernels not seen inside the replays, or a count that does not split evenly)
         return dict(span_us=0.0, kernels=[])
