@@ -110,10 +110,10 @@ def _kernel_events(fn, reps: int, sync_each: bool = False) -> list[tuple[str, fl
                    and "Memset" not in ev.name), key=lambda e: e[1])
 
 
-def kernel_table(fn, reps: int = 10) -> list[dict]:
-    """Kernels of `reps` calls of fn: per call, with their share of the kernels' time."""
+def kernel_table(events: list[tuple[str, float, float]], reps: int) -> list[dict]:
+    """The kernels of `reps` calls (_kernel_events): per call, with their share of the kernels' time."""
     rows = defaultdict(lambda: [0, 0.0])
-    for name, start, end in _kernel_events(fn, reps):
+    for name, start, end in events:
         rows[name][0] += 1
         rows[name][1] += end - start
     total = sum(t for _, t in rows.values()) or 1.0
@@ -143,9 +143,8 @@ def chain_attribution(replays: list[list[tuple[str, float, float]]]) -> dict:
     return dict(span_us=sum(spans) / n, kernels=sorted(out, key=lambda r: -(r["exposed_us"] + r["idle_before_us"])))
 
 
-def chain_table(fn, reps: int = 10) -> dict:
-    """chain_attribution of `reps` calls of fn (graph replays), each run alone (synchronized)."""
-    events = _kernel_events(fn, reps, sync_each=True)
+def chain_table(events: list[tuple[str, float, float]], reps: int) -> dict:
+    """chain_attribution of the kernels of `reps` calls, each run alone (_kernel_events, sync_each)."""
     per = len(events) // reps if reps and len(events) % reps == 0 else 0
     if not per:  # (kernels not seen inside the replays, or a count that does not split evenly)
         return dict(span_us=0.0, kernels=[])
@@ -235,14 +234,16 @@ def profile_variant(llm, batch: int, label: str, with_logits: bool, steps: int) 
         sample(logits[:len(reqs)], sbatch, core.eos_token_ids, runner.config.kernel)
 
     head_us = gpu_time_us(head_and_sample)
-    kernels = kernel_table(graph.replay)
+    reps = 10
+    replays = _kernel_events(graph.replay, reps, sync_each=True)  # (e) and (f) from the same replays
+    kernels = kernel_table(replays, reps)
     if not kernels:  # this profiler does not see inside graphs: the same forward, eagerly
         g = runner.graphs
         print("no kernels reported inside the graph replay; profiling the eager forward instead")
-        kernels = kernel_table(torch.inference_mode()(lambda: g._forward(batch)))
+        kernels = kernel_table(_kernel_events(torch.inference_mode()(lambda: g._forward(batch)), reps), reps)
     return dict(variant=label, lm_head_in_graph=with_logits, step_us=step_us, graph_replay_us=replay_us,
                 graph_launch_host_us=launch_us, lm_head_and_sampling_eager_us=head_us, host_us=host,
-                kernels=kernels, chain=chain_table(graph.replay))
+                kernels=kernels, chain=chain_table(replays, reps))
 
 
 def print_variant(r: dict, floor_us: float) -> None:
