@@ -1,0 +1,72 @@
+"""benchmarks.plan_tune's search (plan neighbourhoods, coordinate descent) against hand-made cost
+functions; the GPU part (recapture, check, replay timing) runs only on a device. No timing asserted."""
+import pytest
+
+from benchmarks.plan_tune import descend, gemm_neighbours, moe_neighbours
+from tandem.kernels.triton.fp8_skinny import _plan
+from tandem.kernels.triton.moe import W8A16_PAIRS
+
+
+def test_gemm_neighbours_move_one_knob_and_keep_plans_valid():
+    start = _plan(64, 128, 4, False, 4, swap=True)
+    near = gemm_neighbours(start, 4096, 128)
+    assert start not in near and len(near) == len({tuple(sorted(p.items())) for p in near})
+    for p in near:
+        changed = {k for k in set(p) | set(start) if p.get(k) != start.get(k)}
+        # one knob, or SWAP off (which may carry no other change) / on (strip and warps to its minimum)
+        assert len(changed) == 1 or "SWAP" in changed, (p, changed)
+        assert 4096 % (p["SPLIT_K"] * p["BLOCK_K"]) == 0
+        assert p["BLOCK_K"] == 128  # block-scaled: the K tile is the K block
+        if p.get("SWAP"):
+            assert p["BLOCK_N"] >= 64 and p["num_warps"] >= 4
+    assert dict(start, SPLIT_K=2) in near and dict(start, SPLIT_K=8) in near
+    assert dict(start, QUANT=True) in near
+    assert {k: v for k, v in start.items() if k != "SWAP"} in near
+
+
+def test_gemm_neighbours_of_a_non_swap_plan_include_its_swap_form():
+    start = _plan(16, 128, 16, True, 2)
+    near = gemm_neighbours(start, 4096, 128)
+    assert dict(start, SWAP=True, BLOCK_N=64, num_warps=4) in near
+    assert all(p["SPLIT_K"] * 128 <= 4096 for p in near)
+    assert dict(start, SPLIT_K=32) not in near  # past the splits tried
+
+
+def test_per_channel_neighbours_try_k_tiles():
+    start = _plan(64, 256, 1, False, 4, swap=True)
+    near = gemm_neighbours(start, 2048, None)
+    assert dict(start, BLOCK_K=128) in near and dict(start, BLOCK_K=512) in near
+
+
+def test_moe_neighbours_move_one_knob_each():
+    start = dict(BLOCK_M=16, BLOCK_N1=32, BLOCK_N2=64, BLOCK_K=128, num_warps=2, num_stages=4)
+    near = moe_neighbours(start)
+    assert dict(start, BLOCK_N1=16) in near and dict(start, BLOCK_N1=64) in near
+    assert dict(start, num_warps2=1) in near  # the second GEMM's own warps, next to the shared 2
+    assert all(sum(p.get(k) != start.get(k) for k in set(p) | set(start)) == 1 for p in near)
+    assert moe_neighbours(W8A16_PAIRS)  # the table's plan has every knob the search moves
+
+
+def test_descend_walks_to_the_minimum_and_skips_failed_plans():
+    # cost: distance of x from 5; plans at x = 3 fail their check
+    cost = {x: abs(x - 5) * 10.0 + 100 for x in range(0, 10)}
+    calls = []
+
+    def time_plan(p):
+        calls.append(p["x"])
+        return None if p["x"] == 3 else cost[p["x"]]
+
+    def neighbours(p):
+        return [dict(x=x) for x in (p["x"] - 1, p["x"] + 1, p["x"] + 2) if 0 <= x < 10]
+
+    best, us, tried = descend(dict(x=1), neighbours, time_plan, min_gain=0.005, max_rounds=8)
+    assert best == dict(x=5) and us == 100
+    assert len(calls) == len(set(calls))  # no plan timed twice
+    assert (dict(x=3), None) in tried
+
+
+def test_descend_needs_the_minimum_gain_to_move():
+    best, us, _ = descend(dict(x=0), lambda p: [dict(x=1)], lambda p: 100.0 - p["x"] * 0.1, min_gain=0.01)
+    assert best == dict(x=0) and us == 100.0
+    with pytest.raises(RuntimeError, match="starting plan"):
+        descend(dict(x=0), lambda p: [], lambda p: None, min_gain=0.01)
