@@ -368,6 +368,11 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
         splits = max(1, min(splits, 2 ** (max(1, max_by_memory).bit_length() - 1)))
     narrow = dict(BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=4,
                   num_stages=3 if kv_bytes == 1 else 2)
+    if kv_bytes == 1 and splits > 1:
+        # split-K over an fp8 cache (a small grid, a tile or two a program: latency): 8 warps share
+        # each tile's loads and e4m3 conversion. Decode b=1 graph replay on an H200, chosen in the step
+        # (benchmarks/plan_tune.py, 2026-11-28): Qwen3-30B-A3B 2783 -> 2583 us, Llama-3-8B 2888 -> 2825
+        narrow["num_warps"] = 8
     if kv_bytes == 1 and splits == 1 and q.is_cuda and torch.version.cuda is not None:
         # a full grid over an fp8 cache: the 128-key tiles take 254 registers a thread (2 programs an
         # SM); 64-key tiles capped at 128 registers run 4, and 4 programs' loads in flight beat 2

@@ -2,7 +2,7 @@
 functions; the GPU part (recapture, check, replay timing) runs only on a device. No timing asserted."""
 import pytest
 
-from benchmarks.plan_tune import descend, gemm_neighbours, moe_neighbours
+from benchmarks.plan_tune import attention_neighbours, descend, gemm_neighbours, moe_neighbours
 from tandem.kernels.triton.fp8_skinny import _plan
 from tandem.kernels.triton.moe import W8A16_PAIRS
 
@@ -47,26 +47,55 @@ def test_moe_neighbours_move_one_knob_each():
     assert moe_neighbours(W8A16_PAIRS)  # the table's plan has every knob the search moves
 
 
-def test_descend_walks_to_the_minimum_and_skips_failed_plans():
-    # cost: distance of x from 5; plans at x = 3 fail their check
-    cost = {x: abs(x - 5) * 10.0 + 100 for x in range(0, 10)}
+def test_attention_neighbours_move_one_knob_each():
+    start = dict(BLOCK_N=128, num_warps=4, num_stages=3)
+    near = attention_neighbours(start)
+    assert dict(start, BLOCK_N=64) in near and dict(start, num_warps=8) in near and dict(start, num_stages=4) in near
+    assert all(sum(p[k] != start[k] for k in start) == 1 for p in near) and start not in near
+
+
+def _times(cost):
+    """A time_many over a cost table: plans failing their check (cost None) time as None."""
     calls = []
 
-    def time_plan(p):
-        calls.append(p["x"])
-        return None if p["x"] == 3 else cost[p["x"]]
+    def time_many(plans):
+        calls.append([p["x"] for p in plans])
+        return [cost(p["x"]) for p in plans]
+    return time_many, calls
+
+
+def test_descend_walks_to_the_minimum_and_skips_failed_plans():
+    # cost: distance of x from 5; plans at x = 3 fail their check
+    time_many, calls = _times(lambda x: None if x == 3 else abs(x - 5) * 10.0 + 100)
 
     def neighbours(p):
         return [dict(x=x) for x in (p["x"] - 1, p["x"] + 1, p["x"] + 2) if 0 <= x < 10]
 
-    best, us, tried = descend(dict(x=1), neighbours, time_plan, min_gain=0.005, max_rounds=8)
+    best, us, tried = descend(dict(x=1), neighbours, time_many, min_gain=0.005, max_rounds=8)
     assert best == dict(x=5) and us == 100
-    assert len(calls) == len(set(calls))  # no plan timed twice
+    assert [c[0] for c in calls] == [1, 2, 4, 5]  # each round times its incumbent first
+    candidates = [x for c in calls for x in c[1:]]
+    assert len(candidates) == len(set(candidates)) and not set(candidates) & {1}  # none timed twice
     assert (dict(x=3), None) in tried
 
 
+def test_descend_retimes_the_incumbent_each_round():
+    # the clock drifts: every round is 10% slower than the one before; the plans' true costs differ
+    # by 5%, so only comparing inside a round finds the faster one
+    rounds = []
+
+    def time_many(plans):
+        rounds.append([p["x"] for p in plans])
+        drift = 1.1 ** len(rounds)
+        return [(100.0 - 5 * p["x"]) * drift for p in plans]
+
+    best, _, _ = descend(dict(x=0), lambda p: [dict(x=p["x"] + 1)] if p["x"] < 2 else [], time_many, 0.01)
+    assert best == dict(x=2) and rounds == [[0, 1], [1, 2], [2]]
+
+
 def test_descend_needs_the_minimum_gain_to_move():
-    best, us, _ = descend(dict(x=0), lambda p: [dict(x=1)], lambda p: 100.0 - p["x"] * 0.1, min_gain=0.01)
+    time_many, _ = _times(lambda x: 100.0 - x * 0.1)
+    best, us, _ = descend(dict(x=0), lambda p: [dict(x=1)], time_many, min_gain=0.01)
     assert best == dict(x=0) and us == 100.0
-    with pytest.raises(RuntimeError, match="starting plan"):
-        descend(dict(x=0), lambda p: [], lambda p: None, min_gain=0.01)
+    with pytest.raises(RuntimeError, match="failed its check"):
+        descend(dict(x=0), lambda p: [dict(x=1)], _times(lambda x: None)[0], min_gain=0.01)
