@@ -194,28 +194,35 @@ def gemm_keys(timer: StepTimer) -> list[tuple]:
     return seen
 
 
+ATTENTION_KNOBS = {"BLOCK_N": (32, 64, 128), "num_warps": (2, 4, 8), "num_stages": (2, 3, 4),
+                   "maxnreg": (0, 96, 128, 168, 232)}  # maxnreg 0: no register cap
+
+
 def attention_neighbours(p: dict) -> list[dict]:
-    """Split-K decode attention plans one knob away from p (kernels/triton/attention.py
-    _launch_plans' narrow launch): key tile, warps, stages."""
+    """Decode attention plans one knob away from p (kernels/triton/attention.py _launch_plans' launch
+    for decode batches, split or not): key tile, warps, stages, register cap."""
     out = []
-    for knob, values in (("BLOCK_N", (32, 64, 128)), ("num_warps", (2, 4, 8)), ("num_stages", (2, 3, 4))):
+    for knob, values in ATTENTION_KNOBS.items():
         out += [dict(p, **{knob: v}) for v in _near(values, p[knob])]
     return out
 
 
 class DecodeAttentionPlan:
-    """Overrides the split-K launch of kernels/triton/attention.py's decode plans (while installed)."""
+    """Overrides the launch plan kernels/triton/attention.py picks for decode batches (one query a
+    sequence: one launch, split-K or not) while installed; `seen` is what the rule picked."""
 
     def __init__(self):
         from tandem.kernels.triton import attention
         self.module, self.plans, self.override, self.seen = attention, attention._launch_plans, None, None
 
-        def plans(*args, **kwargs):
-            out = self.plans(*args, **kwargs)
-            for p in out:
-                if p["NUM_SPLITS"] > 1:
-                    self.seen = {k: p[k] for k in ("BLOCK_N", "num_warps", "num_stages")}
-                    p.update(self.override or {})
+        def plans(q, group, num_seqs, num_kv_heads, max_query_len, *args, **kwargs):
+            out = self.plans(q, group, num_seqs, num_kv_heads, max_query_len, *args, **kwargs)
+            if max_query_len == 1 and len(out) == 1:
+                p = out[0]
+                self.seen = {k: p.get(k, 0) for k in ATTENTION_KNOBS}
+                p.update(self.override or {})
+                if not p.get("maxnreg"):
+                    p.pop("maxnreg", None)
             return out
 
         attention._launch_plans = plans
@@ -263,7 +270,7 @@ def tune(llm, batch: int, reps: int, rounds: int, min_gain: float, tolerance: fl
         before = _tables(hook)
         timer = StepTimer(llm, batch, reps, rounds, tolerance)
         keys = gemm_keys(timer)
-        print(f"decode GEMM keys {keys}; split-K decode attention plan {hook.seen}", flush=True)
+        print(f"decode GEMM keys {keys}; decode attention plan {hook.seen}", flush=True)
         result = dict(gemms=[], moe=None, attention=None)
         for key in keys if "gemm" in only else []:
             bucket, n, k, block_k = key

@@ -13,6 +13,9 @@ to `--context` tokens, then per decode step reports
       one ahead drains, so (e)'s durations overlap and include waits; here each kernel is charged
       from the later of its start and the previous kernels' end to its own end, and the GPU's idle
       gaps between kernels are counted apart: exposed + idle = the replay's span),
+  (g) one decoder layer of the replay kernel by kernel, in launch order (the repeating run of kernel
+      names), each position's exposed time and duration averaged over the layers: which GEMM or
+      attention launch of a layer loses the time, where (e) and (f) sum each kernel name,
 and, per linear layer of layer 0, the GEMM at this batch (achieved GB/s). To profile another
 kernel configuration, pass its flags (--no-pdl, --no-fuse-norms, ...: engine/config.py, KernelConfig).
 
@@ -143,12 +146,60 @@ def chain_attribution(replays: list[list[tuple[str, float, float]]]) -> dict:
     return dict(span_us=sum(spans) / n, kernels=sorted(out, key=lambda r: -(r["exposed_us"] + r["idle_before_us"])))
 
 
+def _exposed(events: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
+    """(name, exposed us, duration us) of each kernel of one replay in start order (chain_attribution's
+    charge: end minus the later of its start and every earlier kernel's end)."""
+    events = sorted(events, key=lambda e: (e[1], e[2]))
+    done = events[0][1] if events else 0.0
+    out = []
+    for name, start, end in events:
+        out.append((name, max(0.0, end - max(done, start)), end - start))
+        done = max(done, end)
+    return out
+
+
+def layer_chain(replays: list[list[tuple[str, float, float]]], max_period: int = 64) -> dict:
+    """One decoder layer of a replay, kernel by kernel in launch order: the layers' repeating run of
+    kernel names (the period p that repeats over the most kernels; the shortest on a tie) and, per
+    position in it, the exposed and plain duration averaged over the layers and replays.
+    -> dict(period, layers, kernels=[dict(position, kernel, exposed_us, duration_us)])."""
+    if not replays or not replays[0]:
+        return dict(period=0, layers=0, kernels=[])
+    names = [n for n, _, _ in sorted(replays[0], key=lambda e: (e[1], e[2]))]
+    best = (0, 0, 0)  # (kernels covered, -period, run start)
+    for p in range(1, min(max_period, len(names) // 2) + 1):
+        i = 0
+        while i + p < len(names):
+            j = i
+            while j + p < len(names) and names[j] == names[j + p]:
+                j += 1
+            if j > i:
+                best = max(best, (j - i + p, -p, i), key=lambda b: (b[0], b[1]))
+            i = j + 1
+    covered, p, start = best[0], -best[1], best[2]
+    if not p:
+        return dict(period=0, layers=0, kernels=[])
+    layers = covered // p
+    rows = [[names[start + j], 0.0, 0.0] for j in range(p)]
+    for events in replays:
+        timed = _exposed(events)
+        for layer in range(layers):
+            for j in range(p):
+                _, exposed, duration = timed[start + layer * p + j]
+                rows[j][1] += exposed
+                rows[j][2] += duration
+    n = layers * len(replays)
+    return dict(period=p, layers=layers, kernels=[dict(position=j, kernel=k, exposed_us=e / n, duration_us=d / n)
+                                                  for j, (k, e, d) in enumerate(rows)])
+
+
 def chain_table(events: list[tuple[str, float, float]], reps: int) -> dict:
     """chain_attribution of the kernels of `reps` calls, each run alone (_kernel_events, sync_each)."""
     per = len(events) // reps if reps and len(events) % reps == 0 else 0
     if not per:  # (kernels not seen inside the replays, or a count that does not split evenly)
-        return dict(span_us=0.0, kernels=[])
-    return chain_attribution([events[i * per:(i + 1) * per] for i in range(reps)])
+        return dict(span_us=0.0, kernels=[], layer=layer_chain([]))
+    replays = [events[i * per:(i + 1) * per] for i in range(reps)]
+    return dict(chain_attribution(replays), layer=layer_chain(replays))
 
 
 def _in_graph_us(fn, copies: int, calls: int = 8) -> float:
@@ -272,6 +323,14 @@ def print_variant(r: dict, floor_us: float) -> None:
         print(f"    {'all kernels':<72}{sum(k['count'] for k in chain['kernels']):>7.0f}"
               f"{sum(k['exposed_us'] for k in chain['kernels']):>9.1f}"
               f"{sum(k['idle_before_us'] for k in chain['kernels']):>7.1f}")
+    layer = chain.get("layer", {})
+    if layer.get("kernels"):
+        print(f"(g) one decoder layer in launch order (mean of {layer['layers']} layers; exposed as in (f), "
+              f"duration = end - start):")
+        print(f"    {'#':>3} {'kernel':<68}{'exposed':>9}{'duration':>10}")
+        for k in layer["kernels"]:
+            print(f"    {k['position']:>3} {k['kernel'][:68]:<68}{k['exposed_us']:>9.1f}{k['duration_us']:>10.1f}")
+        print(f"    {'':>3} {'the layer':<68}{sum(k['exposed_us'] for k in layer['kernels']):>9.1f}")
 
 
 def main() -> None:
@@ -311,7 +370,8 @@ def main() -> None:
     print_variant(results[-1], floor_us)
     # FP8 GEMMs against torch._scaled_mm per shape: benchmarks.roofline --fp8-kernels
     linears = linear_table(llm.engine.runner.model, args.batch, bw) if args.fp8 == "none" else []
-    print("\nlinear layers of layer 0, us per call inside a graph of back-to-back calls (of copy bandwidth):")
+    if linears:
+        print("\nlinear layers of layer 0, us per call inside a graph of back-to-back calls (of copy bandwidth):")
     for r in linears:
         print(f"    {r['linear']:<24}{str(r['shape']):<16} cuBLAS {r['us']:>7.1f} ({r['of_copy_bw']:.0%})"
               f"   engine {r['engine_us']:>7.1f} ({r['engine_of_copy_bw']:.0%})")

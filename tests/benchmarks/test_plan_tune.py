@@ -48,9 +48,10 @@ def test_moe_neighbours_move_one_knob_each():
 
 
 def test_attention_neighbours_move_one_knob_each():
-    start = dict(BLOCK_N=128, num_warps=4, num_stages=3)
+    start = dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=0)
     near = attention_neighbours(start)
     assert dict(start, BLOCK_N=64) in near and dict(start, num_warps=8) in near and dict(start, num_stages=4) in near
+    assert dict(start, maxnreg=96) in near and len(near) == 6  # (128 keys and no cap: one side each)
     assert all(sum(p[k] != start[k] for k in start) == 1 for p in near) and start not in near
 
 
@@ -99,3 +100,26 @@ def test_descend_needs_the_minimum_gain_to_move():
     assert best == dict(x=0) and us == 100.0
     with pytest.raises(RuntimeError, match="failed its check"):
         descend(dict(x=0), lambda p: [dict(x=1)], _times(lambda x: None)[0], min_gain=0.01)
+
+
+def test_attention_hook_overrides_decode_launches_only_while_installed():
+    import torch
+
+    from benchmarks.plan_tune import DecodeAttentionPlan
+    from tandem.kernels.triton import attention
+    q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)  # (a CPU tensor: the rule's CUDA-only caps stay off)
+    rule = attention._launch_plans(q, 4, 1, 8, 1, 8192, False, 1)[0]
+    hook = DecodeAttentionPlan()
+    try:
+        assert attention._launch_plans(q, 4, 1, 8, 1, 8192, False, 1)[0] == rule  # nothing set yet
+        assert hook.seen == dict(BLOCK_N=rule["BLOCK_N"], num_warps=rule["num_warps"],
+                                 num_stages=rule["num_stages"], maxnreg=0)
+        hook.override = dict(hook.seen, BLOCK_N=64, maxnreg=0)
+        p = attention._launch_plans(q, 4, 1, 8, 1, 8192, False, 1)[0]
+        assert p == dict(rule, BLOCK_N=64)  # (maxnreg 0: no cap, no key)
+        mixed = attention._launch_plans(q, 4, 2, 8, 37, 8192, False, 1)  # a batch with a prefill: left alone
+        hook.override = None
+        assert mixed == attention._launch_plans(q, 4, 2, 8, 37, 8192, False, 1)
+    finally:
+        hook.restore()
+    assert attention._launch_plans(q, 4, 1, 8, 1, 8192, False, 1)[0] == rule

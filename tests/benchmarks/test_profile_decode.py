@@ -28,3 +28,26 @@ def test_replays_are_averaged():
     assert out["span_us"] == pytest.approx(8.5)
     assert rows["a"]["exposed_us"] == 5 and rows["b"]["exposed_us"] == 3 and rows["b"]["idle_before_us"] == 0.5
     assert [k["kernel"] for k in out["kernels"]] == ["a", "b"]  # by what they add
+
+
+def test_layer_chain_finds_the_repeating_layer_and_averages_its_positions():
+    from benchmarks.profile_decode import layer_chain
+    # embed, then 3 layers of (gemm 10 us, attn 4 us, gemm 6 us), then the head; the third layer's
+    # attention takes 7 us, and each layer's second GEMM overlaps the attention by 1 us (PDL)
+    events, t = [("embed", 0, 2)], 2.0
+    for layer in range(3):
+        attn = 7 if layer == 2 else 4
+        events += [("gemm", t, t + 10), ("attn", t + 10, t + 10 + attn), ("gemm", t + 9 + attn, t + 15 + attn)]
+        t += 15 + attn
+    events.append(("head", t, t + 5))
+    out = layer_chain([events, events])
+    assert out["period"] == 3 and out["layers"] == 3
+    rows = out["kernels"]
+    assert [r["kernel"] for r in rows] == ["gemm", "attn", "gemm"]
+    assert rows[0]["exposed_us"] == pytest.approx(10) and rows[1]["exposed_us"] == pytest.approx(5)
+    assert rows[2]["exposed_us"] == pytest.approx(5) and rows[2]["duration_us"] == pytest.approx(6)
+
+
+def test_layer_chain_of_nothing_is_empty():
+    from benchmarks.profile_decode import layer_chain
+    assert layer_chain([])["kernels"] == [] and layer_chain([[("a", 0, 1)]])["period"] == 0
