@@ -1,11 +1,13 @@
 """FP8 decode tile plans chosen inside the decode step: each plan is timed by the step's own graph replay.
 
-The plan tables (kernels/triton/fp8_skinny.py PLANS, kernels/triton/moe.py W8A16_PAIRS) were measured
-one GEMM at a time on cold weights (benchmarks.fp8_gemm, benchmarks.fp8_moe), and the split-K decode
-attention's plan is a rule (kernels/triton/attention.py). In the step each kernel runs between others
+The plan tables (kernels/triton/fp8_skinny.py PLANS, kernels/triton/linear.py SKINNY_PLANS and its rule,
+kernels/triton/moe.py W8A16_PAIRS) were measured one GEMM at a time on cold weights (benchmarks.fp8_gemm,
+benchmarks.fp8_moe, benchmarks.kernels), and the decode attention's plan is a rule
+(kernels/triton/attention.py). In the step each kernel runs between others
 with PDL, so its best plan may differ. This builds one model of `benchmarks.roofline.MODELS` with
-dummy weights, runs `--batch` sequences to `--context` tokens, records which decode-GEMM plan keys
-the step uses, then per key (then the W8A16 expert plan of an MoE model, then the decode attention)
+dummy weights, runs `--batch` sequences to `--context` tokens, records which GEMM plan keys the
+step uses, then per FP8 key, per bf16 key (the MoE router, the LM head, a bf16 model's layers), then the
+W8A16 expert plan of an MoE model, then the decode attention
 walks to the best neighbouring plan by coordinate descent: each round captures the step's graph once
 with the current plan and once with each neighbour (strip width, K split, warps, stages, in-GEMM
 quantization, SWAP tiles), drops a capture whose logits are far off the first one's, and times the
@@ -172,26 +174,43 @@ class StepTimer:
         return times
 
 
-def gemm_keys(timer: StepTimer) -> list[tuple]:
-    """The decode-tile plan keys (row bucket, N, K, K block) one capture of the step asks for (that
-    capture's logits are the reference)."""
-    from tandem.kernels.triton import fp8_skinny
-    seen, plan = [], fp8_skinny.plan
+def gemm_keys(timer: StepTimer) -> tuple[list, list]:
+    """The plan keys one capture of the step asks for (that capture's logits are the reference): the
+    FP8 decode tile's (row bucket, N, K, K block) and the bf16 skinny GEMM's (N, K)."""
+    from tandem.kernels.triton import fp8_skinny, linear
+    fp8_keys, bf16_keys, plan, config = [], [], fp8_skinny.plan, linear._config
 
-    def recording(m, n, k, block_k, sms=132):
-        key = (fp8_skinny.row_bucket(m), n, k, block_k)
-        if key not in seen:
-            seen.append(key)
+    def plan_recorded(m, n, k, block_k, sms=132):
+        if (fp8_skinny.row_bucket(m), n, k, block_k) not in fp8_keys:
+            fp8_keys.append((fp8_skinny.row_bucket(m), n, k, block_k))
         return plan(m, n, k, block_k, sms)
 
-    fp8_skinny.plan = recording
+    def config_recorded(n, k, sms):
+        if (n, k) not in bf16_keys:
+            bf16_keys.append((n, k))
+        return config(n, k, sms)
+
+    fp8_skinny.plan, linear._config = plan_recorded, config_recorded
     try:
         g = timer.capture()
     finally:
-        fp8_skinny.plan = plan
+        fp8_skinny.plan, linear._config = plan, config
     if g is not None:
         g.release()
-    return seen
+    return fp8_keys, bf16_keys
+
+
+def skinny_neighbours(p: dict, k: int) -> list[dict]:
+    """bf16 skinny GEMM plans (kernels/triton/linear.py) one knob away from p for a weight of K
+    columns: strip width, split, K tile, warps, stages; split * BLOCK_K stays within K."""
+    out = []
+    for knob, values in (("BLOCK_N", (16, 32, 64)), ("SPLIT_K", (1, 2, 4, 8, 16)), ("BLOCK_K", (64, 128, 256)),
+                         ("num_warps", (1, 2, 4, 8)), ("num_stages", (2, 3, 4, 5, 6))):
+        for v in _near(values, p[knob]):
+            q = dict(p, **{knob: v})
+            if q["SPLIT_K"] * q["BLOCK_K"] <= k and q not in out:
+                out.append(q)
+    return out
 
 
 ATTENTION_KNOBS = {"BLOCK_N": (32, 64, 128), "num_warps": (2, 4, 8), "num_stages": (2, 3, 4),
@@ -232,17 +251,16 @@ class DecodeAttentionPlan:
 
 
 def _tables(hook: "DecodeAttentionPlan") -> tuple:
-    from tandem.kernels.triton import fp8_skinny, moe
-    return dict(fp8_skinny.PLANS), dict(moe.W8A16_PAIRS), hook.override
+    from tandem.kernels.triton import fp8_skinny, linear, moe
+    return dict(fp8_skinny.PLANS), dict(linear.SKINNY_PLANS), dict(moe.W8A16_PAIRS), hook.override
 
 
 def _put_tables(hook: "DecodeAttentionPlan", tables: tuple) -> None:
-    from tandem.kernels.triton import fp8_skinny, moe
-    plans, pairs, hook.override = tables
-    fp8_skinny.PLANS.clear()
-    fp8_skinny.PLANS.update(plans)
-    moe.W8A16_PAIRS.clear()
-    moe.W8A16_PAIRS.update(pairs)
+    from tandem.kernels.triton import fp8_skinny, linear, moe
+    plans, skinny, pairs, hook.override = tables
+    for table, saved in ((fp8_skinny.PLANS, plans), (linear.SKINNY_PLANS, skinny), (moe.W8A16_PAIRS, pairs)):
+        table.clear()
+        table.update(saved)
 
 
 def confirm(llm, batch: int, hook: "DecodeAttentionPlan", before: tuple, after: tuple, steps: int) -> dict:
@@ -262,52 +280,46 @@ def confirm(llm, batch: int, hook: "DecodeAttentionPlan", before: tuple, after: 
     return out
 
 
+def _walk(label: str, start: dict, neighbours, put, timer: StepTimer, min_gain: float) -> dict:
+    """descend from `start` with put(plan) installing a plan; leaves the best installed."""
+    best, best_us, tried = descend(start, neighbours, lambda ps: timer.time_many(ps, put), min_gain)
+    put(best)  # later knobs are tuned with this one's best in place
+    print(f"{label}: {tried[0][1]:.1f} -> {best_us:.1f} us with {best}", flush=True)
+    return dict(what=label, start=start, start_us=tried[0][1], best=best, best_us=best_us, tried=len(tried))
+
+
 def tune(llm, batch: int, reps: int, rounds: int, min_gain: float, tolerance: float, only: list[str],
          confirm_steps: int) -> dict:
-    from tandem.kernels.triton import fp8_skinny, moe
+    """Walks (descend) the FP8 decode GEMM plans, the bf16 skinny GEMM plans, the W8A16 expert plan
+    and the decode attention's launch plan, as `only` names them, in that order."""
+    from tandem.kernels.triton import fp8_skinny, linear, moe
     hook = DecodeAttentionPlan()  # (no override until the attention is tuned)
     try:
         before = _tables(hook)
         timer = StepTimer(llm, batch, reps, rounds, tolerance)
-        keys = gemm_keys(timer)
-        print(f"decode GEMM keys {keys}; decode attention plan {hook.seen}", flush=True)
-        result = dict(gemms=[], moe=None, attention=None)
-        for key in keys if "gemm" in only else []:
+        fp8_keys, bf16_keys = gemm_keys(timer)
+        print(f"FP8 decode GEMM keys {fp8_keys}; bf16 skinny GEMM keys {bf16_keys}; decode attention plan "
+              f"{hook.seen}", flush=True)
+        walks = []
+        for key in fp8_keys if "gemm" in only else []:
             bucket, n, k, block_k = key
             start = {name: v for name, v in fp8_skinny.plan(bucket, n, k, block_k).items() if name != "PRELOAD"}
-
-            def put(p, key=key):
-                fp8_skinny.PLANS[key] = p
-
-            best, best_us, tried = descend(start, lambda p: gemm_neighbours(p, k, block_k),
-                                           lambda ps: timer.time_many(ps, put), min_gain)
-            put(best)  # later keys are tuned with this one's best in place
-            result["gemms"].append(dict(key=list(key), start=start, start_us=tried[0][1], best=best,
-                                        best_us=best_us, tried=len(tried)))
-            print(f"{key}: {tried[0][1]:.1f} -> {best_us:.1f} us with {best}", flush=True)
+            walks.append(_walk(f"fp8 {key}", start, lambda p, k=k, b=block_k: gemm_neighbours(p, k, b),
+                               lambda p, key=key: fp8_skinny.PLANS.__setitem__(key, p), timer, min_gain))
+        for key in bf16_keys if "skinny" in only else []:
+            n, k = key
+            start = linear._config(n, k, num_sms_of(llm))
+            walks.append(_walk(f"bf16 {key}", start, lambda p, k=k: skinny_neighbours(p, k),
+                               lambda p, key=key: linear.SKINNY_PLANS.__setitem__(key, p), timer, min_gain))
         if "moe" in only and getattr(llm.engine.runner.model.config, "num_experts", 0):
-            start = dict(moe.W8A16_PAIRS)
-
             def put_moe(p):
                 moe.W8A16_PAIRS.clear()
                 moe.W8A16_PAIRS.update(p)
-
-            best, best_us, tried = descend(start, moe_neighbours, lambda ps: timer.time_many(ps, put_moe), min_gain)
-            put_moe(best)
-            result["moe"] = dict(start=start, start_us=tried[0][1], best=best, best_us=best_us, tried=len(tried))
-            print(f"experts: {tried[0][1]:.1f} -> {best_us:.1f} us with {best}", flush=True)
+            walks.append(_walk("experts", dict(moe.W8A16_PAIRS), moe_neighbours, put_moe, timer, min_gain))
         if "attention" in only and hook.seen is not None:
-            start = dict(hook.seen)
-
-            def put_attn(p):
-                hook.override = p
-
-            best, best_us, tried = descend(start, attention_neighbours, lambda ps: timer.time_many(ps, put_attn),
-                                           min_gain)
-            put_attn(best)
-            result["attention"] = dict(start=start, start_us=tried[0][1], best=best, best_us=best_us,
-                                       tried=len(tried))
-            print(f"decode attention: {tried[0][1]:.1f} -> {best_us:.1f} us with {best}", flush=True)
+            walks.append(_walk("decode attention", dict(hook.seen), attention_neighbours,
+                               lambda p: setattr(hook, "override", p), timer, min_gain))
+        result = dict(walks=walks)
         if confirm_steps:
             result["confirm"] = confirm(llm, batch, hook, before, _tables(hook), confirm_steps)
         return result
@@ -315,16 +327,24 @@ def tune(llm, batch: int, reps: int, rounds: int, min_gain: float, tolerance: fl
         hook.restore()
 
 
+def num_sms_of(llm) -> int:
+    from tandem.kernels.triton.device import num_sms
+    return num_sms(llm.engine.runner.device)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama3-8b", choices=list(MODELS))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--fp8", choices=["block", "channel"], default="block")
+    ap.add_argument("--fp8", choices=["none", "block", "channel"], default="block")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="fp8")
     ap.add_argument("--reps", type=int, default=10, help="replays timed per plan and round (median)")
     ap.add_argument("--rounds", type=int, default=5, help="turns over a round's plans (median of medians)")
-    ap.add_argument("--only", nargs="+", choices=["gemm", "moe", "attention"], default=["gemm", "moe", "attention"])
+    ap.add_argument("--only", nargs="+", choices=["gemm", "skinny", "moe", "attention"],
+                    default=["gemm", "skinny", "moe", "attention"],
+                    help="what to tune: FP8 decode GEMMs, bf16 skinny GEMMs (the MoE router, the LM head, a "
+                         "bf16 model's layers), W8A16 experts, decode attention")
     ap.add_argument("--min-gain", type=float, default=0.005, help="a move needs this fraction off the replay")
     ap.add_argument("--tolerance", type=float, default=0.5,
                     help="largest relative difference of the step's logits from the first capture's: a sanity "

@@ -202,10 +202,19 @@ def _skinny_gemm_kernel(
             tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
+# Measured bf16 plans: (N, K) -> plan, where one beat _config's rule inside a decode step
+# (benchmarks/plan_tune.py); none yet.
+SKINNY_PLANS: dict[tuple[int, int], dict] = {}
+
+
 def _config(n: int, k: int, sms: int) -> dict:
-    """16-column strips; K split in two until the grid has ~2 programs per SM or a split would be
-    under 256 deep; 256-deep K tiles where a split is >= 2048 deep. Near the best of a sweep of 48
-    plans for each Llama-8B and Qwen3-30B-A3B projection at M=1 (benchmarks/RESULTS.md)."""
+    """SKINNY_PLANS' plan for [N, K], else the rule: 16-column strips; K split in two until the grid
+    has ~2 programs per SM or a split would be under 256 deep; 256-deep K tiles where a split is
+    >= 2048 deep. Near the best of a sweep of 48 plans for each Llama-8B and Qwen3-30B-A3B projection
+    at M=1 (benchmarks/RESULTS.md)."""
+    got = SKINNY_PLANS.get((n, k))
+    if got:
+        return dict(got)
     strips = triton.cdiv(n, 16)
     split = 1
     while strips * split < 2 * sms and k // (2 * split) >= 256 and split < 16:

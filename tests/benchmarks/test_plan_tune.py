@@ -2,7 +2,7 @@
 functions; the GPU part (recapture, check, replay timing) runs only on a device. No timing asserted."""
 import pytest
 
-from benchmarks.plan_tune import attention_neighbours, descend, gemm_neighbours, moe_neighbours
+from benchmarks.plan_tune import attention_neighbours, descend, gemm_neighbours, moe_neighbours, skinny_neighbours
 from tandem.kernels.triton.fp8_skinny import _plan
 from tandem.kernels.triton.moe import W8A16_PAIRS
 
@@ -36,6 +36,16 @@ def test_per_channel_neighbours_try_k_tiles():
     start = _plan(64, 256, 1, False, 4, swap=True)
     near = gemm_neighbours(start, 2048, None)
     assert dict(start, BLOCK_K=128) in near and dict(start, BLOCK_K=512) in near
+
+
+def test_skinny_neighbours_keep_the_split_within_k():
+    from tandem.kernels.triton.linear import _config
+    start = _config(128, 2048, 132)  # the Qwen3-30B-A3B router gate
+    near = skinny_neighbours(start, 2048)
+    assert near and start not in near
+    assert all(p["SPLIT_K"] * p["BLOCK_K"] <= 2048 for p in near)
+    assert all(sum(p[k] != start[k] for k in start) == 1 for p in near)
+    assert dict(start, num_warps=4) in near
 
 
 def test_moe_neighbours_move_one_knob_each():
