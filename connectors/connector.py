@@ -366,6 +366,11 @@ class TandemConnector:
             if p.do_remote_decode and p.mode == "read":
                 return self._hold_for_read(req, p) if ok else (False, None)
             if t is None:
+                if p.do_remote_prefill and p.mode == "write" and p.peer and not ok and not req.num_output_tokens:
+                    # decode ended before it asked for any KV (aborted while queued): the prefill,
+                    # which may hold the prompt's blocks for our ids, would wait out its timeout
+                    peer, msg = p.peer, AbortTransfer(p.transfer_id)
+                    self.agent.submit(lambda: self._send_quietly(peer, msg))
                 return False, None
             if t.side == "decode" and not t.state.terminal:
                 self.table.end(t, S.ABORTED, "the request finished")

@@ -277,6 +277,30 @@ def test_prefill_frees_at_once_when_the_router_drops_the_decode(model_dir):
         ctx.term()
 
 
+def test_write_mode_decode_aborted_while_queued_frees_the_prefill_at_once(model_dir):
+    """Write mode: the decode request is aborted before it asked for any KV (still queued, no
+    blocks, no handshake): decode tells the prefill, which frees the prompt's blocks it held for
+    decode's ids within a couple of seconds, not after transfer_timeout_s (60 s here)."""
+    prefill = make(model_dir, "kv_producer", transfer_timeout_s=60)
+    decode = make(model_dir, "kv_consumer", transfer_timeout_s=60)
+    host, port = prefill.connector.address.rsplit(":", 1)
+    dhost, dport = decode.connector.address.rsplit(":", 1)
+    try:
+        prefill.add_request(EngineRequest("p", PROMPTS[4], SamplingParams(max_tokens=1, temperature=0), kv_transfer_params={
+            "do_remote_decode": True, "mode": "write", "transfer_id": "t", "remote_host": dhost,
+            "remote_port": int(dport)}))
+        run_all(prefill, until=lambda o: finished(o, "p"))
+        assert prefill.blocks.num_free_blocks < prefill.blocks.num_blocks  # held for decode's ids
+        decode.add_request(EngineRequest("d", PROMPTS[4], PARAMS, kv_transfer_params={
+            "do_remote_prefill": True, "mode": "write", "transfer_id": "t", "remote_host": host,
+            "remote_port": int(port)}))
+        decode.abort_requests(["d"])
+        settle(prefill, decode, within_s=2.0)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_write_mode_abort_keeps_blocks_while_prefill_may_write(model_dir, transport):
     """A decode request aborted while its KV is arriving keeps its blocks until the prefill says
