@@ -62,11 +62,28 @@ def _w_tile(w_ptrs, n_mask, k_ok, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _tile_dot(acc, xt, w, a_s, xs_ptrs, ws_ptrs, kb, m_mask, n_mask, fp8_max, q_ty: tl.constexpr,
+def _tile_scales(xs_ptrs, ws_ptrs, kb, nkb, m_mask, n_mask, PER_CHANNEL: tl.constexpr, QUANT: tl.constexpr):
+    """Block-scaled: K block kb's scales (kb clamped to the nkb blocks of K), the rows' [BM] (ones
+    with QUANT, which makes its own) and the columns' [BN]; per-channel: unused ones. The K loop
+    loads them a tile ahead of their _tile_dot: Triton's pipeliner leaves a scale load inside the
+    loop synchronous, and each tile then waited for it (an L2 or HBM round trip) before the next
+    tile's loads were issued."""
+    if PER_CHANNEL:
+        return m_mask.to(tl.float32), n_mask.to(tl.float32)
+    kb = tl.minimum(kb, nkb - 1)
+    s = m_mask.to(tl.float32)
+    if not QUANT:
+        s = tl.load(xs_ptrs + kb, mask=m_mask, other=0.0)
+    return s, tl.load(ws_ptrs + kb, mask=n_mask, other=0.0)
+
+
+@triton.jit
+def _tile_dot(acc, xt, w, a_s, s, w_s, fp8_max, q_ty: tl.constexpr,
               PER_CHANNEL: tl.constexpr, QUANT: tl.constexpr, SWAP: tl.constexpr):
     """acc plus one K tile: x tile xt [BM, BK] (bf16/fp16 with QUANT, else fp8), w tile [BK, BN]
-    fp8; per-channel: a_s [BM] the rows' scales (applied by the caller at the end); block: K block
-    kb's scales on the product. SWAP: w [BN, BK] and acc [BN, BM] (acc.T += w @ xt.T)."""
+    fp8; per-channel: a_s [BM] the rows' scales (applied by the caller at the end); block: the
+    tile's K block scales s [BM] (the rows', unless QUANT makes them) and w_s [BN] (_tile_scales)
+    on the product. SWAP: w [BN, BK] and acc [BN, BM] (acc.T += w @ xt.T)."""
     if PER_CHANNEL:
         if QUANT:
             xt = tl.minimum(tl.maximum(xt.to(tl.float32) / a_s[:, None], -fp8_max), fp8_max).to(q_ty)
@@ -77,9 +94,6 @@ def _tile_dot(acc, xt, w, a_s, xs_ptrs, ws_ptrs, kb, m_mask, n_mask, fp8_max, q_
     else:
         if QUANT:
             xt, s = _quant_tile(xt.to(tl.float32), fp8_max, q_ty)
-        else:
-            s = tl.load(xs_ptrs + kb, mask=m_mask, other=0.0)
-        w_s = tl.load(ws_ptrs + kb, mask=n_mask, other=0.0)
         if SWAP:
             acc += tl.dot(w, tl.trans(xt)) * w_s[:, None] * s[None, :]
         else:
@@ -153,28 +167,33 @@ def _fp8_skinny_kernel(
     # the first tile peeled off the loop (its weight tile came before the wait); an empty range
     # (a split past K) reads nothing and adds 0
     xt = tl.load(x_ptrs, mask=m_mask[:, None] & _k_mask(rk, k_hi - k_lo, False)[None, :], other=0.0)
-    kb0 = tl.minimum(k_lo // BLOCK_K, tl.cdiv(K, BLOCK_K) - 1)  # (in range where the split is empty)
+    nkb = tl.cdiv(K, BLOCK_K)
+    kb = k_lo // BLOCK_K  # (clamped into K by _tile_scales where the split is empty)
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc = _tile_dot(acc, xt, w0, a_s, xs_ptrs, ws_ptrs, kb0, m_mask, n_mask, fp8_max, q_ty, PER_CHANNEL, QUANT,
-                    SWAP)
+    x_s, w_s = _tile_scales(xs_ptrs, ws_ptrs, kb, nkb, m_mask, n_mask, PER_CHANNEL, QUANT)
+    x_s_next, w_s_next = _tile_scales(xs_ptrs, ws_ptrs, kb + 1, nkb, m_mask, n_mask, PER_CHANNEL, QUANT)
+    acc = _tile_dot(acc, xt, w0, a_s, x_s, w_s, fp8_max, q_ty, PER_CHANNEL, QUANT, SWAP)
+    x_s, w_s = x_s_next, w_s_next
     if PRELOAD >= 2:  # (past k_hi: zero tiles, the scale index clamped)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         xt = tl.load(x_ptrs, mask=m_mask[:, None] & _k_mask(rk, k_hi - k_lo - BLOCK_K, False)[None, :], other=0.0)
-        kb1 = tl.minimum(k_lo // BLOCK_K + 1, tl.cdiv(K, BLOCK_K) - 1)
-        acc = _tile_dot(acc, xt, w1, a_s, xs_ptrs, ws_ptrs, kb1, m_mask, n_mask, fp8_max, q_ty, PER_CHANNEL, QUANT,
-                        SWAP)
+        x_s_next, w_s_next = _tile_scales(xs_ptrs, ws_ptrs, kb + 2, nkb, m_mask, n_mask, PER_CHANNEL, QUANT)
+        acc = _tile_dot(acc, xt, w1, a_s, x_s, w_s, fp8_max, q_ty, PER_CHANNEL, QUANT, SWAP)
+        x_s, w_s = x_s_next, w_s_next
     for k0 in range(k_lo + PRELOAD * BLOCK_K, k_hi, BLOCK_K):
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         k_left = _k_mask(rk, k_hi - k0, EVEN_K)
         w = _w_tile(w_ptrs, n_mask, k_left, SWAP)
         xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_left[None, :], other=0.0)
-        acc = _tile_dot(acc, xt, w, a_s, xs_ptrs, ws_ptrs, k0 // BLOCK_K, m_mask, n_mask, fp8_max, q_ty,
-                        PER_CHANNEL, QUANT, SWAP)
+        x_s_next, w_s_next = _tile_scales(xs_ptrs, ws_ptrs, k0 // BLOCK_K + 1, nkb, m_mask, n_mask, PER_CHANNEL,
+                                          QUANT)  # a tile ahead (_tile_scales)
+        acc = _tile_dot(acc, xt, w, a_s, x_s, w_s, fp8_max, q_ty, PER_CHANNEL, QUANT, SWAP)
+        x_s, w_s = x_s_next, w_s_next
     if SWAP:
         acc = tl.trans(acc)
     if PER_CHANNEL:

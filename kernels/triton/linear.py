@@ -49,16 +49,26 @@ def _x_tile(x_ptrs, k_left, m_mask, rk, EVEN: tl.constexpr):
 
 
 @triton.jit
-def dot_w(acc, a, w, ws_ptrs, k0, K, k_per_scale, n_mask, W_SCALE: tl.constexpr, FAST_CVT: tl.constexpr = False):
-    """acc + a @ w for a weight tile w [BK, BN] in a's dtype or fp8 (converted to a's dtype): with
-    W_SCALE 2 times the scales of its K block (k0 // k_per_scale, kept inside the grid for a split
-    past K, whose tiles are zeros) at ws_ptrs [BN] (the columns' rows of the scale grid); W_SCALE
-    0 / 1 unscaled (per-channel: the caller scales the sum). FAST_CVT: w converted by
-    e4m3_to_bf16_scaled, so acc is in units of 1 / E4M3_BF16_UNIT (the caller scales it back)."""
-    wa = e4m3_to_bf16_scaled(w) if FAST_CVT else w.to(a.dtype)
+def w_scales(ws_ptrs, k0, K, k_per_scale, n_mask, W_SCALE: tl.constexpr):
+    """The scales dot_w multiplies the weight tile at k0 by: with W_SCALE 2 those of its K block
+    (k0 // k_per_scale, kept inside the grid for a split past K) at ws_ptrs [BN] (the columns' rows
+    of the scale grid); otherwise unused (ones). The K loops load them a tile ahead of their
+    dot_w: Triton's pipeliner leaves a scale load inside the loop synchronous, and each tile then
+    waited for it (an L2 or HBM round trip) before the next tile's loads were issued."""
     if W_SCALE == 2:
         kb = tl.minimum(k0, K - 1) // k_per_scale
-        s = tl.load(ws_ptrs + kb, mask=n_mask, other=0.0)
+        return tl.load(ws_ptrs + kb, mask=n_mask, other=0.0)
+    return n_mask.to(tl.float32)
+
+
+@triton.jit
+def dot_w(acc, a, w, s, W_SCALE: tl.constexpr, FAST_CVT: tl.constexpr = False):
+    """acc + a @ w for a weight tile w [BK, BN] in a's dtype or fp8 (converted to a's dtype): with
+    W_SCALE 2 times its K block's scales s [BN] (w_scales); W_SCALE 0 / 1 unscaled (per-channel:
+    the caller scales the sum). FAST_CVT: w converted by e4m3_to_bf16_scaled, so acc is in units
+    of 1 / E4M3_BF16_UNIT (the caller scales it back)."""
+    wa = e4m3_to_bf16_scaled(w) if FAST_CVT else w.to(a.dtype)
+    if W_SCALE == 2:
         return acc + tl.dot(a, wa) * s[None, :]
     return tl.dot(a, wa, acc)
 
@@ -166,16 +176,20 @@ def _skinny_gemm_kernel(
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM_IN:
         rstd = pending_rstd(ss_in_ptr, rm, m_mask, in_strips, K, eps, S_PAD)
+    w_s = w_scales(ws_ptrs, k, K, k_per_scale, n_mask, W_SCALE)
     if PRELOAD:
         a = _x_tile(x_ptrs, k_hi - k, m_mask, rk, False)
-        acc = dot_w(acc, a, w0, ws_ptrs, k, K, k_per_scale, n_mask, W_SCALE, FAST_CVT)
+        w_s_next = w_scales(ws_ptrs, k + BLOCK_K, K, k_per_scale, n_mask, W_SCALE)
+        acc = dot_w(acc, a, w0, w_s, W_SCALE, FAST_CVT)
+        w_s = w_s_next
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         k += BLOCK_K
     for k0 in range(k, k_hi, BLOCK_K):
         a = _x_tile(x_ptrs, k_hi - k0, m_mask, rk, EVEN_K)
-        acc = dot_w(acc, a, _weight_tile(w_ptrs, k_hi - k0, n_mask, rk, EVEN_K), ws_ptrs, k0, K, k_per_scale,
-                    n_mask, W_SCALE, FAST_CVT)
+        w_s_next = w_scales(ws_ptrs, k0 + BLOCK_K, K, k_per_scale, n_mask, W_SCALE)  # a tile ahead (w_scales)
+        acc = dot_w(acc, a, _weight_tile(w_ptrs, k_hi - k0, n_mask, rk, EVEN_K), w_s, W_SCALE, FAST_CVT)
+        w_s = w_s_next
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     acc = scale_back(acc, ws_ptrs, n_mask, W_SCALE, FAST_CVT)

@@ -16,7 +16,8 @@ import triton.language as tl
 
 from tandem.kernels.triton.device import MAX_TICKETS, tickets
 from tandem.kernels.triton.e4m3 import fast_cvt
-from tandem.kernels.triton.linear import MAX_ROWS, dot_w, pend_norm, pending_rstd, scale_back, w8_scale_args
+from tandem.kernels.triton.linear import (MAX_ROWS, dot_w, pend_norm, pending_rstd, scale_back, w8_scale_args,
+                                          w_scales)
 from tandem.kernels.triton.moe_align import _align
 from tandem.kernels.triton.pdl import launch_args, wait_previous
 from tandem.kernels.triton.routing import check_routing, topk_of_rows, topk_routing_triton
@@ -187,15 +188,23 @@ def _grouped_gemm_kernel(
     ws_up_ptrs = ws_row + ((rn + N) // rows_per_scale).to(tl.int64) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    s = w_scales(ws_ptrs, 0, K, k_per_scale, n_mask, W_SCALE)
+    s_up = s
+    if GATED:
+        s_up = w_scales(ws_up_ptrs, 0, K, k_per_scale, n_mask, W_SCALE)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (rk < K - k0) | EVEN_K  # folds away when K is a multiple of BLOCK_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = n_mask[None, :] & k_mask[:, None]
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        acc = dot_w(acc, a, w, ws_ptrs, k0, K, k_per_scale, n_mask, W_SCALE, FAST_CVT)
+        s_next = w_scales(ws_ptrs, k0 + BLOCK_K, K, k_per_scale, n_mask, W_SCALE)  # a tile ahead (w_scales)
+        acc = dot_w(acc, a, w, s, W_SCALE, FAST_CVT)
+        s = s_next
         if GATED:
             w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
-            acc_up = dot_w(acc_up, a, w_up, ws_up_ptrs, k0, K, k_per_scale, n_mask, W_SCALE, FAST_CVT)
+            s_up_next = w_scales(ws_up_ptrs, k0 + BLOCK_K, K, k_per_scale, n_mask, W_SCALE)
+            acc_up = dot_w(acc_up, a, w_up, s_up, W_SCALE, FAST_CVT)
+            s_up = s_up_next
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     acc = scale_back(acc, ws_ptrs, n_mask, W_SCALE, FAST_CVT)
