@@ -247,7 +247,6 @@ PLANS: dict[tuple[int, int, int, int | None], dict] = {
     (16, 5120, 2048, None): _plan(64, 256, 1, False, 4, swap=True),  # H100 11-27, 16 rows: 8.4 / 9.8
     (16, 2048, 4096, 128): _plan(64, 128, 16, True, 2),  # 7.0/10.7
     (16, 2048, 4096, None): _plan(64, 512, 4, False, 4, swap=True),  # H100 11-27, 16 rows: 8.8 / 9.7
-    (64, 6144, 4096, 128): _plan(64, 128, 2, False, 4),  # 17.9/18.8
     (64, 6144, 4096, None): _plan(32, 128, 1, False, 4),  # 16.6/17.9
     (64, 4096, 4096, 128): _plan(32, 128, 2, False, 4),  # 14.2/14.7
     # H200, 2026-11-27 (strips of 128 added to the 64-row sweep): each strip re-reads the 64 rows of x
@@ -255,6 +254,10 @@ PLANS: dict[tuple[int, int, int, int | None], dict] = {
     (64, 28672, 4096, None): _plan(64, 128, 1, False, 4),  # 52.7/56.5
     (64, 4096, 14336, None): _plan(32, 128, 2, False, 4),  # 40.2/43.7
     (64, 2048, 4096, 128): _plan(32, 128, 4, False, 4),  # 10.4/10.7
+    # H200, 2026-11-28, chosen inside the Llama-3-8B b=64 step (benchmarks/plan_tune.py, graph replay us,
+    # plan / plan before): qkv 32-wide strips 5407 / 5491 (64-wide); down 3 stages 5341 / 5411 (the rule's 4)
+    (64, 6144, 4096, 128): _plan(32, 128, 2, False, 4),
+    (64, 4096, 14336, 128): dict(_plan(32, 128, 4, False, 4), num_stages=3),
 }
 
 
