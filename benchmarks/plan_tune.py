@@ -213,16 +213,21 @@ def skinny_neighbours(p: dict, k: int) -> list[dict]:
     return out
 
 
-ATTENTION_KNOBS = {"BLOCK_N": (32, 64, 128), "num_warps": (2, 4, 8), "num_stages": (2, 3, 4),
-                   "maxnreg": (0, 96, 128, 168, 232)}  # maxnreg 0: no register cap
+ATTENTION_KNOBS = {"BLOCK_N": (32, 64, 128), "num_warps": (2, 4, 8), "num_stages": (1, 2, 3, 4),
+                   "maxnreg": (0, 96, 128, 168, 232), "KV_AHEAD": (False, True)}  # maxnreg 0: no register cap
 
 
 def attention_neighbours(p: dict) -> list[dict]:
     """Decode attention plans one knob away from p (kernels/triton/attention.py _launch_plans' launch
-    for decode batches, split or not): key tile, warps, stages, register cap."""
+    for decode batches, split or not): key tile, warps, stages, register cap, KV_AHEAD; and, from a
+    plan without KV_AHEAD, KV_AHEAD as it runs: one stage (it pipelines by hand) and at least 168
+    registers (the 64-key tile a thread holds ahead: 800 bytes of spills at the 128 cap, 30 at 168;
+    ptxas sm_90, 4 warps). One knob at a time would reach that only through slower plans."""
     out = []
     for knob, values in ATTENTION_KNOBS.items():
         out += [dict(p, **{knob: v}) for v in _near(values, p[knob])]
+    if not p["KV_AHEAD"]:
+        out.append(dict(p, KV_AHEAD=True, num_stages=1, maxnreg=max(p["maxnreg"], 168) if p["maxnreg"] else 0))
     return out
 
 
@@ -240,8 +245,9 @@ class DecodeAttentionPlan:
                 p = out[0]
                 self.seen = {k: p.get(k, 0) for k in ATTENTION_KNOBS}
                 p.update(self.override or {})
-                if not p.get("maxnreg"):
-                    p.pop("maxnreg", None)
+                for off in ("maxnreg", "KV_AHEAD"):  # 0 / False: the key's absence
+                    if not p.get(off):
+                        p.pop(off, None)
             return out
 
         attention._launch_plans = plans

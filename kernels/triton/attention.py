@@ -68,6 +68,66 @@ def store_kvcache_triton(
 
 
 @triton.jit
+def _tile_blocks(bt_row, start, hi, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BT_SCALAR: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """The block-table entry of each key of the tile at `start` [BLOCK_N] (MASKED: 0 for keys at or
+    past hi). BT_SCALAR (PAGE divides BLOCK_N): read as BLOCK_N // PAGE scalars and spread over
+    the tile's rows in registers, not as a vector of one entry per row (a vector load of the table
+    makes Triton's pipeliner wait for every copy in flight at each tile)."""
+    n = start + tl.arange(0, BLOCK_N)
+    if BT_SCALAR:
+        page_in_tile = (n - start) // PAGE
+        block = tl.zeros([BLOCK_N], dtype=tl.int32)
+        for i in tl.static_range(BLOCK_N // PAGE):
+            if MASKED:
+                b = tl.load(bt_row + start // PAGE + i, mask=start + i * PAGE < hi, other=0)
+            else:
+                b = tl.load(bt_row + start // PAGE + i)
+            block = tl.where(page_in_tile == i, b, block)
+    elif MASKED:
+        block = tl.load(bt_row + n // PAGE, mask=n < hi, other=0)
+    else:
+        block = tl.load(bt_row + n // PAGE)
+    return block
+
+
+@triton.jit
+def _paged_ptrs(k_base, v_base, block, n, d_off, stride_kb, stride_ko, stride_vb, stride_vo,
+                PAGE: tl.constexpr, OFFS_32: tl.constexpr):
+    """K and V pointers [BLOCK_N, D_PAD] of keys n, whose block-table entries are `block`."""
+    if OFFS_32:
+        off = n % PAGE
+    else:
+        block = block.to(tl.int64)
+        off = (n % PAGE).to(tl.int64)
+    return (k_base + block[:, None] * stride_kb + off[:, None] * stride_ko + d_off[None, :],
+            v_base + block[:, None] * stride_vb + off[:, None] * stride_vo + d_off[None, :])
+
+
+@triton.jit
+def _tile_update(acc, l_i, m_i, q, k, v, n, in_range, q_pos, qk_scale, MASKED: tl.constexpr,
+                 FAST_CVT: tl.constexpr):
+    """One key tile k, v [BLOCK_N, D_PAD] (keys n) into the online softmax (acc, l_i, m_i); MASKED:
+    keys past q_pos (causal) or outside in_range count as -inf."""
+    if FAST_CVT:
+        k = e4m3_to_bf16_scaled(k)
+        v = e4m3_to_bf16_scaled(v)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)))
+    if MASKED:
+        s = tl.where((n[None, :] <= q_pos[:, None]) & in_range[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        m_safe = m_new
+    p = tl.exp2(s * qk_scale - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attend_tiles(
     acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos, lo, hi,
     stride_kb, stride_ko, stride_vb, stride_vo, qk_scale,
@@ -77,16 +137,14 @@ def _attend_tiles(
     """Online softmax over keys [lo, hi); MASKED applies the causal and the hi bound, else
     every tile is full and loads go unpredicated (EVEN_D: no head_dim padding either).
     OFFS_32: cache offsets fit 32 bits (cheaper address arithmetic). DENSE: key n is row n
-    from k_base / v_base (row strides stride_ko / stride_vo), no block table. BT_SCALAR (PAGE
-    divides BLOCK_N): a tile's block-table entries are read as BLOCK_N // PAGE scalars and spread
-    over its rows in registers, not as a vector of one entry per row (a vector load of the table
-    makes Triton's pipeliner wait for every copy in flight at each tile). FAST_CVT (an e4m3 cache,
+    from k_base / v_base (row strides stride_ko / stride_vo), no block table. BT_SCALAR: see
+    _tile_blocks. FAST_CVT (an e4m3 cache,
     bf16 q): keys and values are converted by e4m3_to_bf16_scaled, so the scores and acc come out
     in units of 1 / E4M3_BF16_UNIT (the caller's qk_scale and epilogue scale them back)."""
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
+        in_range = n < hi
         if MASKED:
-            in_range = n < hi
             kv_mask = in_range[:, None] & d_mask[None, :]
         else:
             kv_mask = d_mask[None, :]
@@ -95,48 +153,51 @@ def _attend_tiles(
             k_ptrs = k_base + row[:, None] * stride_ko + d_off[None, :]
             v_ptrs = v_base + row[:, None] * stride_vo + d_off[None, :]
         else:
-            if BT_SCALAR:
-                page_in_tile = (n - start) // PAGE
-                block = tl.zeros([BLOCK_N], dtype=tl.int32)
-                for i in tl.static_range(BLOCK_N // PAGE):
-                    if MASKED:
-                        b = tl.load(bt_row + start // PAGE + i, mask=start + i * PAGE < hi, other=0)
-                    else:
-                        b = tl.load(bt_row + start // PAGE + i)
-                    block = tl.where(page_in_tile == i, b, block)
-            elif MASKED:
-                block = tl.load(bt_row + n // PAGE, mask=in_range, other=0)
-            else:
-                block = tl.load(bt_row + n // PAGE)
-            if OFFS_32:
-                off = n % PAGE
-            else:
-                block = block.to(tl.int64)
-                off = (n % PAGE).to(tl.int64)
-            k_ptrs = k_base + block[:, None] * stride_kb + off[:, None] * stride_ko + d_off[None, :]
-            v_ptrs = v_base + block[:, None] * stride_vb + off[:, None] * stride_vo + d_off[None, :]
+            block = _tile_blocks(bt_row, start, hi, PAGE, BLOCK_N, BT_SCALAR, MASKED)
+            k_ptrs, v_ptrs = _paged_ptrs(k_base, v_base, block, n, d_off, stride_kb, stride_ko, stride_vb, stride_vo,
+                                         PAGE, OFFS_32)
         if EVEN_D and not MASKED:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
         else:
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        if FAST_CVT:
-            k = e4m3_to_bf16_scaled(k)
-            v = e4m3_to_bf16_scaled(v)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        if MASKED:
-            s = tl.where((n[None, :] <= q_pos[:, None]) & in_range[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-            m_safe = m_new
-        p = tl.exp2(s * qk_scale - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
-        m_i = m_new
+        acc, l_i, m_i = _tile_update(acc, l_i, m_i, q, k, v, n, in_range, q_pos, qk_scale, MASKED, FAST_CVT)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_tiles_ahead(
+    acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos, lo, hi,
+    stride_kb, stride_ko, stride_vb, stride_vo, qk_scale,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, OFFS_32: tl.constexpr, BT_SCALAR: tl.constexpr,
+    FAST_CVT: tl.constexpr,
+):
+    """_attend_tiles over the full paged tiles [lo, hi), pipelined by hand (KV_AHEAD; for plans of
+    one stage, which Triton leaves alone): each iteration issues the next tile's K/V loads into
+    registers, and the block-table entries of the tile after it, before the dots of its own tile, so
+    their latency overlaps that work. (Triton's 2-stage pipelining issues the next tile's copies
+    after the dots, behind a block-table load in the same iteration: sm_90 TTGIR.) Loads past hi
+    read zeros and are never used."""
+    n = lo + tl.arange(0, BLOCK_N)
+    k_ptrs, v_ptrs = _paged_ptrs(k_base, v_base, _tile_blocks(bt_row, lo, hi, PAGE, BLOCK_N, BT_SCALAR, True), n,
+                                 d_off, stride_kb, stride_ko, stride_vb, stride_vo, PAGE, OFFS_32)
+    ahead = (n < hi)[:, None] & d_mask[None, :]
+    k = tl.load(k_ptrs, mask=ahead, other=0.0)
+    v = tl.load(v_ptrs, mask=ahead, other=0.0)
+    block = _tile_blocks(bt_row, lo + BLOCK_N, hi, PAGE, BLOCK_N, BT_SCALAR, True)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_next = n + BLOCK_N
+        k_ptrs, v_ptrs = _paged_ptrs(k_base, v_base, block, n_next, d_off, stride_kb, stride_ko, stride_vb,
+                                     stride_vo, PAGE, OFFS_32)
+        ahead = (n_next < hi)[:, None] & d_mask[None, :]
+        k_next = tl.load(k_ptrs, mask=ahead, other=0.0)
+        v_next = tl.load(v_ptrs, mask=ahead, other=0.0)
+        block = _tile_blocks(bt_row, start + 2 * BLOCK_N, hi, PAGE, BLOCK_N, BT_SCALAR, True)
+        acc, l_i, m_i = _tile_update(acc, l_i, m_i, q, k, v, n, n < hi, q_pos, qk_scale, False, FAST_CVT)
+        k = k_next
+        v = v_next
     return acc, l_i, m_i
 
 
@@ -171,6 +232,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HEAVY_FIRST: tl.constexpr, OFFS_32: tl.constexpr, DENSE: tl.constexpr, BT_SCALAR: tl.constexpr,
     ROPE: tl.constexpr, QK_NORM: tl.constexpr, ROT: tl.constexpr, FAST_CVT: tl.constexpr, PDL: tl.constexpr,
+    KV_AHEAD: tl.constexpr = False,
 ):
     # Up to the wait only sequence metadata is read (query_start_loc, seq_lens), which no kernel
     # of the step writes: the dependent loads that place this program run while the kernel ahead
@@ -264,10 +326,15 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
-                                  kv_lo, full_hi, stride_kb, stride_ko, stride_vb, stride_vo,
-                                  qk_scale, False, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE, BT_SCALAR,
-                                  FAST_CVT)
+    if KV_AHEAD and not DENSE:
+        acc, l_i, m_i = _attend_tiles_ahead(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
+                                            kv_lo, full_hi, stride_kb, stride_ko, stride_vb, stride_vo,
+                                            qk_scale, PAGE, BLOCK_N, OFFS_32, BT_SCALAR, FAST_CVT)
+    else:
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
+                                      kv_lo, full_hi, stride_kb, stride_ko, stride_vb, stride_vo,
+                                      qk_scale, False, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE, BT_SCALAR,
+                                      FAST_CVT)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
                                   full_hi, kv_hi, stride_kb, stride_ko, stride_vb, stride_vo,
                                   qk_scale, True, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE, BT_SCALAR,
@@ -484,6 +551,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             D_PAD=d_pad, PAGE=page, NUM_SPLITS=splits, HEAVY_FIRST=heavy_first,
             OFFS_32=p.get("OFFS_32", offs_32), DENSE=p.get("DENSE", False) and dense_kv is not None,
             BT_SCALAR=p.get("BT_SCALAR", False) and p["BLOCK_N"] % page == 0,
+            KV_AHEAD=p.get("KV_AHEAD", False),
             ROPE=rope is not None, QK_NORM=rope is not None and rope.qk_norm is not None,
             ROT=rope.cos_sin_cache.shape[-1] if rope is not None else 0, FAST_CVT=fast,
             num_warps=p["num_warps"], num_stages=p["num_stages"], **launch_args(q, pdl),

@@ -58,11 +58,17 @@ def test_moe_neighbours_move_one_knob_each():
 
 
 def test_attention_neighbours_move_one_knob_each():
-    start = dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=0)
+    start = dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=0, KV_AHEAD=False)
     near = attention_neighbours(start)
     assert dict(start, BLOCK_N=64) in near and dict(start, num_warps=8) in near and dict(start, num_stages=4) in near
-    assert dict(start, maxnreg=96) in near and len(near) == 6  # (128 keys and no cap: one side each)
-    assert all(sum(p[k] != start[k] for k in start) == 1 for p in near) and start not in near
+    assert dict(start, maxnreg=96) in near and dict(start, KV_AHEAD=True) in near
+    ahead = dict(start, KV_AHEAD=True, num_stages=1)  # the one plan that moves two knobs: KV_AHEAD as it runs
+    assert ahead in near and len(near) == 8  # (128 keys, no cap, KV_AHEAD: one side each)
+    assert all(sum(p[k] != start[k] for k in start) == 1 for p in near if p != ahead) and start not in near
+    capped = attention_neighbours(dict(start, maxnreg=128, num_stages=2))
+    assert dict(start, KV_AHEAD=True, num_stages=1, maxnreg=168) in capped
+    assert not any(p["KV_AHEAD"] and p["num_stages"] == 1 and p["maxnreg"] == 168
+                   for p in attention_neighbours(dict(start, KV_AHEAD=True)))  # no bundle from KV_AHEAD on
 
 
 def _times(cost):
@@ -123,10 +129,12 @@ def test_attention_hook_overrides_decode_launches_only_while_installed():
     try:
         assert attention._launch_plans(q, 4, 1, 8, 1, 8192, False, 1)[0] == rule  # nothing set yet
         assert hook.seen == dict(BLOCK_N=rule["BLOCK_N"], num_warps=rule["num_warps"],
-                                 num_stages=rule["num_stages"], maxnreg=0)
+                                 num_stages=rule["num_stages"], maxnreg=0, KV_AHEAD=False)
         hook.override = dict(hook.seen, BLOCK_N=64, maxnreg=0)
         p = attention._launch_plans(q, 4, 1, 8, 1, 8192, False, 1)[0]
-        assert p == dict(rule, BLOCK_N=64)  # (maxnreg 0: no cap, no key)
+        assert p == dict(rule, BLOCK_N=64)  # (maxnreg 0: no cap, no key; KV_AHEAD False: no key)
+        hook.override = dict(hook.seen, KV_AHEAD=True, num_stages=1)
+        assert attention._launch_plans(q, 4, 1, 8, 1, 8192, False, 1)[0] == dict(rule, KV_AHEAD=True, num_stages=1)
         mixed = attention._launch_plans(q, 4, 2, 8, 37, 8192, False, 1)  # a batch with a prefill: left alone
         hook.override = None
         assert mixed == attention._launch_plans(q, 4, 2, 8, 37, 8192, False, 1)

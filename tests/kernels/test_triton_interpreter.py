@@ -18,7 +18,8 @@ from tests.interpreter import run_under_interpreter
 
 CASES = ["argmax", "argmax_split_ties_nan", "skinny_gemm", "skinny_gemm_split", "skinny_gemm_pending_norm",
          "topk_routing", "routed_experts_decode", "routed_experts_pending_norm", "routed_experts_no_local_expert",
-         "paged_attention_split", "paged_attention_rope", "paged_attention_prefill_scalar_table"]
+         "paged_attention_split", "paged_attention_rope", "paged_attention_prefill_scalar_table",
+         "paged_attention_kv_ahead"]
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -170,6 +171,25 @@ def run_case(name: str) -> None:
             plan = dict(BLOCK_M=16, BLOCK_N=16, NUM_SPLITS=1, num_warps=4, num_stages=2, BT_SCALAR=scalar)
             out = _paged_attention(q, kc, vc, bt, seq_lens, qsl, 0.2, 37, 72, plan=plan)
             assert _rel(out, ref) < 5e-3, scalar
+    elif name == "paged_attention_kv_ahead":
+        # KV_AHEAD (the next tile's K/V and the block-table entries two tiles ahead loaded before the
+        # tile's dots): decodes whose contexts end inside a tile, split or not, a chunk behind its
+        # context and a fresh prompt; 16-key tiles over 4-key pages of a shuffled table
+        from tandem.kernels.attention import paged_attention_ref
+        from tandem.kernels.triton.attention import _paged_attention
+        page, hq, hk, d = 4, 4, 2, 32
+        kc, vc = torch.randn(60, page, hk, d).half(), torch.randn(60, page, hk, d).half()
+        bt = torch.randperm(60, dtype=torch.int32)[:57].view(3, 19)
+        for seq_lens, qsl, max_q in (([70, 37, 5], [0, 1, 2, 3], 1), ([70, 37], [0, 20, 57], 37)):
+            seq_lens, qsl = torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32)
+            q = torch.randn(int(qsl[-1]), hq, d).half()
+            ref = paged_attention_ref(q, kc, vc, bt[:len(seq_lens)], seq_lens, qsl, 0.2)
+            for scalar in (True, False):
+                for splits in ((1, 2) if max_q == 1 else (1,)):
+                    plan = dict(BLOCK_M=16, BLOCK_N=16, NUM_SPLITS=splits, num_warps=4, num_stages=1,
+                                BT_SCALAR=scalar, KV_AHEAD=True)
+                    out = _paged_attention(q, kc, vc, bt[:len(seq_lens)], seq_lens, qsl, 0.2, max_q, 76, plan=plan)
+                    assert _rel(out, ref) < 5e-3, (max_q, scalar, splits)
     else:
         raise ValueError(f"unknown case {name}")
 
