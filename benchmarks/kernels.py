@@ -295,7 +295,9 @@ def sweep_attention():
     print(f"sweep prefill 4k: sdpa {t_sdpa * 1e3:.1f} us")
     qkv = torch.randn(ctx, HQ + 2 * HK, D, device=DEV, dtype=BF16)
     dense = (qkv[:, HQ:HQ + HK], qkv[:, HQ + HK:])
-    plans = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4)]
+    # (5 stages: the first count at which Triton double-buffers K/V behind the block-table stage)
+    plans = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4), (128, 64, 8, 5),
+             (256, 64, 8, 5)]
     for kind, dense_kv, scalar in (("paged", None, False), ("paged", None, True), ("dense", dense, False)):
         for bm, bn, w, st in plans:
             plan = dict(BLOCK_M=bm, BLOCK_N=bn, NUM_SPLITS=1, num_warps=w, num_stages=st, HEAVY_FIRST=True,
@@ -356,11 +358,13 @@ def sweep_decode_attention(kv_dtype: torch.dtype = BF16, regs_only: bool = False
         print(f"sweep decode B={batch} ctx={ctx} {kv_dtype} default {default}: {t * 1e3:.1f} us "
               f"{kv / t / 1e6:.0f} GB/s", flush=True)
         if default["NUM_SPLITS"] == 1:  # the grid fills the GPU: few or no splits
-            space = itertools.product((64, 128), (1, 2), (4, 8), (2, 3, 4), (False, True))
+            # 5 stages: K/V double-buffered (Triton gives the block table the first stage from 3 on)
+            space = itertools.product((64, 128), (1, 2), (4, 8), (2, 3, 4, 5), (False, True))
         else:
             space = itertools.product((32, 64, 128), (16, 32, 64), (2, 4), (2,), (False, True))
         if regs_only:  # the register cap (ptxas maxrregcount: more programs per SM) on a few tile shapes
-            space = [(bn, default["NUM_SPLITS"], w, st, regs) for bn, w, st in ((128, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2))
+            tiles = ((128, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 4, 5))
+            space = [(bn, default["NUM_SPLITS"], w, st, regs) for bn, w, st in tiles
                      for regs in (0, 168, 128, 96)]
         for bn, splits, w, st, knob in space:  # knob: the register cap (regs_only), else BT_SCALAR
             plan = dict(default, BLOCK_N=bn, NUM_SPLITS=splits, num_warps=w, num_stages=st,

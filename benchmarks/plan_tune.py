@@ -213,19 +213,23 @@ def skinny_neighbours(p: dict, k: int) -> list[dict]:
     return out
 
 
-ATTENTION_KNOBS = {"BLOCK_N": (32, 64, 128), "num_warps": (2, 4, 8), "num_stages": (1, 2, 3, 4),
+ATTENTION_KNOBS = {"BLOCK_N": (32, 64, 128), "num_warps": (2, 4, 8), "num_stages": (1, 2, 3, 4, 5),
                    "maxnreg": (0, 96, 128, 168, 232), "KV_AHEAD": (False, True)}  # maxnreg 0: no register cap
 
 
 def attention_neighbours(p: dict) -> list[dict]:
     """Decode attention plans one knob away from p (kernels/triton/attention.py _launch_plans' launch
-    for decode batches, split or not): key tile, warps, stages, register cap, KV_AHEAD; and, from a
-    plan without KV_AHEAD, KV_AHEAD as it runs: one stage (it pipelines by hand) and at least 168
-    registers (the 64-key tile a thread holds ahead: 800 bytes of spills at the 128 cap, 30 at 168;
-    ptxas sm_90, 4 warps). One knob at a time would reach that only through slower plans."""
+    for decode batches, split or not): key tile, warps, register cap, KV_AHEAD next to the current
+    value; every other stage count, because stages do not act in order on a paged loop: Triton
+    (3.6 and 3.9, sm_90 TTGIR) gives the block-table load the first stage from 3 stages on, and K/V
+    get a second buffer only at 5 (2: one buffer, the table read in the loop; 3 and 4: one buffer).
+    And, from a plan without KV_AHEAD, KV_AHEAD as it runs: one stage (it pipelines by hand) and at
+    least 168 registers (the 64-key tile a thread holds ahead: 800 bytes of spills at the 128 cap, 30
+    at 168; ptxas sm_90, 4 warps). One knob at a time would reach that only through slower plans."""
     out = []
     for knob, values in ATTENTION_KNOBS.items():
-        out += [dict(p, **{knob: v}) for v in _near(values, p[knob])]
+        near = [v for v in values if v != p[knob]] if knob == "num_stages" else _near(values, p[knob])
+        out += [dict(p, **{knob: v}) for v in near]
     if not p["KV_AHEAD"]:
         out.append(dict(p, KV_AHEAD=True, num_stages=1, maxnreg=max(p["maxnreg"], 168) if p["maxnreg"] else 0))
     return out

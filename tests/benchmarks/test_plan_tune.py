@@ -63,7 +63,8 @@ def test_attention_neighbours_move_one_knob_each():
     assert dict(start, BLOCK_N=64) in near and dict(start, num_warps=8) in near and dict(start, num_stages=4) in near
     assert dict(start, maxnreg=96) in near and dict(start, KV_AHEAD=True) in near
     ahead = dict(start, KV_AHEAD=True, num_stages=1)  # the one plan that moves two knobs: KV_AHEAD as it runs
-    assert ahead in near and len(near) == 8  # (128 keys, no cap, KV_AHEAD: one side each)
+    assert all(dict(start, num_stages=n) in near for n in (1, 2, 4, 5))  # every other stage count
+    assert ahead in near and len(near) == 10  # (128 keys, no cap, KV_AHEAD: one side each)
     assert all(sum(p[k] != start[k] for k in start) == 1 for p in near if p != ahead) and start not in near
     capped = attention_neighbours(dict(start, maxnreg=128, num_stages=2))
     assert dict(start, KV_AHEAD=True, num_stages=1, maxnreg=168) in capped
