@@ -32,8 +32,9 @@ from benchmarks.roofline import MODELS, build, copy_bandwidth, kernel_flags, ker
 
 # the expert plan's knobs and the values tried next to the current one
 MOE_KNOBS = {"BLOCK_N1": (16, 32, 64, 128), "BLOCK_N2": (32, 64, 128), "BLOCK_K": (32, 64, 128),
-             "num_warps": (1, 2, 4, 8), "num_warps2": (1, 2, 4, 8), "num_stages": (2, 3, 4, 5, 6),
-             "num_stages2": (2, 3, 4, 5, 6)}
+             "num_warps": (1, 2, 4, 8), "num_warps2": (1, 2, 4, 8), "num_stages": (2, 3, 4, 5, 6, 7, 8),
+             "num_stages2": (2, 3, 4, 5, 6, 7, 8)}
+MOE_EVERY = ("num_stages", "num_stages2")  # knobs tried at every value, not only the neighbours
 
 
 def _near(values: tuple, current) -> list:
@@ -79,11 +80,14 @@ def gemm_neighbours(p: dict, k: int, block_k: int | None) -> list[dict]:
 
 def moe_neighbours(p: dict) -> list[dict]:
     """W8A16 expert plans one knob away from p (kernels/triton/moe.py W8A16_PAIRS; num_warps2 and
-    num_stages2, the second GEMM's own, default to the shared ones)."""
+    num_stages2, the second GEMM's own, default to the shared ones). Stage counts are tried at every
+    value: at one token each program's K loop is short (Qwen3-30B-A3B w2: 6 tiles of 128, w13: 16), so
+    the count that puts all of a program's tiles in flight at once (7 for w2) is a different regime
+    from its neighbours, not a step past them."""
     out = []
     for knob, values in MOE_KNOBS.items():
         current = p[knob] if knob in p else p[knob[:-1]]  # (num_warps2 defaults to num_warps)
-        for v in _near(values, current):
+        for v in ([v for v in values if v != current] if knob in MOE_EVERY else _near(values, current)):
             q = dict(p, **{knob: v})
             if q not in out and q != p:
                 out.append(q)

@@ -53,6 +53,9 @@ def test_moe_neighbours_move_one_knob_each():
     near = moe_neighbours(start)
     assert dict(start, BLOCK_N1=16) in near and dict(start, BLOCK_N1=64) in near
     assert dict(start, num_warps2=1) in near  # the second GEMM's own warps, next to the shared 2
+    assert all(dict(start, num_stages=n) in near and dict(start, num_stages2=n) in near
+               for n in (2, 3, 5, 6, 7, 8))  # every stage count, each GEMM: not only the neighbours
+    assert dict(start, num_stages2=4) not in near  # (the shared count: the same plan)
     assert all(sum(p.get(k) != start.get(k) for k in set(p) | set(start)) == 1 for p in near)
     assert moe_neighbours(W8A16_PAIRS)  # the table's plan has every knob the search moves
 
