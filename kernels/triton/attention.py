@@ -105,6 +105,17 @@ def _paged_ptrs(k_base, v_base, block, n, d_off, stride_kb, stride_ko, stride_vb
 
 
 @triton.jit
+def _kv_tile(k_base, v_base, block, n, hi, d_off, d_mask, stride_kb, stride_ko, stride_vb, stride_vo,
+             PAGE: tl.constexpr, OFFS_32: tl.constexpr):
+    """The K and V tiles [BLOCK_N, D_PAD] of keys n (block-table entries `block`); keys at or past hi
+    and head_dim padding read as 0."""
+    k_ptrs, v_ptrs = _paged_ptrs(k_base, v_base, block, n, d_off, stride_kb, stride_ko, stride_vb, stride_vo,
+                                 PAGE, OFFS_32)
+    mask = (n < hi)[:, None] & d_mask[None, :]
+    return tl.load(k_ptrs, mask=mask, other=0.0), tl.load(v_ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _tile_update(acc, l_i, m_i, q, k, v, n, in_range, q_pos, qk_scale, MASKED: tl.constexpr,
                  FAST_CVT: tl.constexpr):
     """One key tile k, v [BLOCK_N, D_PAD] (keys n) into the online softmax (acc, l_i, m_i); MASKED:
@@ -138,9 +149,9 @@ def _attend_tiles(
     every tile is full and loads go unpredicated (EVEN_D: no head_dim padding either).
     OFFS_32: cache offsets fit 32 bits (cheaper address arithmetic). DENSE: key n is row n
     from k_base / v_base (row strides stride_ko / stride_vo), no block table. BT_SCALAR: see
-    _tile_blocks. FAST_CVT (an e4m3 cache,
-    bf16 q): keys and values are converted by e4m3_to_bf16_scaled, so the scores and acc come out
-    in units of 1 / E4M3_BF16_UNIT (the caller's qk_scale and epilogue scale them back)."""
+    _tile_blocks. FAST_CVT (an e4m3 cache, bf16 q): keys and values are converted by
+    e4m3_to_bf16_scaled, so the scores and acc come out in units of 1 / E4M3_BF16_UNIT (the
+    caller's qk_scale and epilogue scale them back)."""
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         in_range = n < hi
@@ -179,21 +190,14 @@ def _attend_tiles_ahead(
     their latency overlaps that work. (Triton's 2-stage pipelining issues the next tile's copies
     after the dots, behind a block-table load in the same iteration: sm_90 TTGIR.) Loads past hi
     read zeros and are never used."""
-    n = lo + tl.arange(0, BLOCK_N)
-    k_ptrs, v_ptrs = _paged_ptrs(k_base, v_base, _tile_blocks(bt_row, lo, hi, PAGE, BLOCK_N, BT_SCALAR, True), n,
-                                 d_off, stride_kb, stride_ko, stride_vb, stride_vo, PAGE, OFFS_32)
-    ahead = (n < hi)[:, None] & d_mask[None, :]
-    k = tl.load(k_ptrs, mask=ahead, other=0.0)
-    v = tl.load(v_ptrs, mask=ahead, other=0.0)
+    k, v = _kv_tile(k_base, v_base, _tile_blocks(bt_row, lo, hi, PAGE, BLOCK_N, BT_SCALAR, True),
+                    lo + tl.arange(0, BLOCK_N), hi, d_off, d_mask, stride_kb, stride_ko, stride_vb, stride_vo,
+                    PAGE, OFFS_32)
     block = _tile_blocks(bt_row, lo + BLOCK_N, hi, PAGE, BLOCK_N, BT_SCALAR, True)
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        n_next = n + BLOCK_N
-        k_ptrs, v_ptrs = _paged_ptrs(k_base, v_base, block, n_next, d_off, stride_kb, stride_ko, stride_vb,
-                                     stride_vo, PAGE, OFFS_32)
-        ahead = (n_next < hi)[:, None] & d_mask[None, :]
-        k_next = tl.load(k_ptrs, mask=ahead, other=0.0)
-        v_next = tl.load(v_ptrs, mask=ahead, other=0.0)
+        k_next, v_next = _kv_tile(k_base, v_base, block, n + BLOCK_N, hi, d_off, d_mask, stride_kb, stride_ko,
+                                  stride_vb, stride_vo, PAGE, OFFS_32)
         block = _tile_blocks(bt_row, start + 2 * BLOCK_N, hi, PAGE, BLOCK_N, BT_SCALAR, True)
         acc, l_i, m_i = _tile_update(acc, l_i, m_i, q, k, v, n, n < hi, q_pos, qk_scale, False, FAST_CVT)
         k = k_next
