@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--min-rate-step", type=float, default=0.25, help="stop bisecting below this (req/s)")
     s.add_argument("--fresh-server-per-rate", action="store_true", help="restart the tree for every rate")
     s.add_argument("--warmup-prompts", type=int, default=0, help="unmeasured requests after each start")
+    s.add_argument("--duration", type=float, default=0.0,
+                   help="seconds of arrivals at each rate: send max(--num-prompts, rate x this) requests")
+    s.add_argument("--stop-at-miss", action="store_true",
+                   help="measure no rate above a topology's first that misses the target (then bisect below it)")
     o = p.add_argument_group("output")
     o.add_argument("--out-dir", default=None, help="default benchmarks/out/goodput-DATE")
     o.add_argument("--scatter-rate", type=float, default=None,
@@ -107,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sweep = SweepConfig(rates=args.rates, slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms), target=args.target / 100,
                         definition=args.definition, bisect_steps=args.bisect_steps,
                         min_rate_step=args.min_rate_step, fresh_server_per_rate=args.fresh_server_per_rate,
-                        warmup_prompts=args.warmup_prompts)
+                        warmup_prompts=args.warmup_prompts, stop_at_miss=args.stop_at_miss,
+                        duration_s=args.duration)
     launch = LaunchOptions(server_args=tuple(shlex.split(args.server_args)), gpus=_gpus(args.gpus),
                            startup_timeout_s=args.startup_timeout)
     out_dir = Path(args.out_dir or f"benchmarks/out/goodput-{datetime.now():%Y%m%d-%H%M%S}")

@@ -1,6 +1,11 @@
 """Start and stop one topology's process tree: `python -m tandem.server` processes on 127.0.0.1
 (a router, and collocated or prefill/decode instances), each on its own GPUs, health-waited.
 
+Every process sees all of the harness's GPUs (CUDA_VISIBLE_DEVICES = --gpus) and an instance picks
+its first with `--device cuda:N` (its TP ranks take the ones after it), as `server --role disagg`
+does: the ipc KV transport opens the peer's memory by device index, which needs both GPUs visible
+in both processes.
+
 Collocated instances behind the router are registered with it from here (the harness pings
 the router's registry for them, zero load, so the router's round-robin spreads requests);
 prefill/decode instances register themselves (`--router-address`).
@@ -54,12 +59,12 @@ class Process:
     """One `server` process logging to log_path."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path, python: str, gpus: tuple[str, ...] = (),
-                 ports: int = 1):
+                 ports: int = 1, visible: tuple[str, ...] = ()):
         self.name, self.port, self.log_path = name, free_port(ports), log_path
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ)
-        if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        if visible:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible)
         cmd = [python, "-m", "tandem.server", "--host", "127.0.0.1", "--port", str(self.port), *argv]
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "w")
@@ -102,7 +107,10 @@ def instance_gpus(topology: Topology, gpus: tuple[str, ...]) -> list[tuple[str, 
     return [tuple(gpus[i * topology.gpus:(i + 1) * topology.gpus]) for i in range(n)]
 
 
-def instance_argv(topology: Topology, role: str, options: LaunchOptions, registry: str | None) -> list[str]:
+def instance_argv(topology: Topology, role: str, options: LaunchOptions, registry: str | None,
+                  gpus: tuple[str, ...] = ()) -> list[str]:
+    """The instance's `server` flags; on GPUs (`gpus`: its group from instance_gpus) `--device
+    cuda:N`, N its first GPU's place among options.gpus (the process sees all of them)."""
     argv = [*options.server_args, *topology.server_args]
     if role == "prefill":
         argv += topology.prefill_args
@@ -110,6 +118,8 @@ def instance_argv(topology: Topology, role: str, options: LaunchOptions, registr
         argv += topology.decode_args
     if topology.gpus > 1 and options.gpus and not any(a.split("=")[0] in PARALLEL_FLAGS for a in argv):
         argv += ["--tensor-parallel-size", str(topology.gpus)]
+    if gpus and not any(a.split("=")[0] == "--device" for a in argv):
+        argv += ["--device", f"cuda:{options.gpus.index(gpus[0])}"]
     if role in ("prefill", "decode"):
         argv = ["--role", role, "--router-address", registry, "--kv-transport", topology.transport, *argv]
     return argv
@@ -151,8 +161,8 @@ class Deployment:
         for role, gpus in zip(roles, groups):
             i = counts[role] = counts.get(role, -1) + 1
             name = f"{role}{i}"
-            self.instances.append(Process(name, instance_argv(t, role, o, registry), self.log_dir / f"{name}.log",
-                                          o.python, gpus, ports=block_size(max(1, t.gpus))))
+            self.instances.append(Process(name, instance_argv(t, role, o, registry, gpus), self.log_dir / f"{name}.log",
+                                          o.python, gpus, ports=block_size(max(1, t.gpus)), visible=o.gpus))
         deadline = time.monotonic() + o.startup_timeout_s
         for p in self.instances:
             self._wait_healthy(p, deadline)

@@ -68,15 +68,19 @@ def goodput_of(points: Mapping[float, float], target: float) -> Goodput:
 
 def search_goodput(measure: Callable[[float], float], rates: Sequence[float], target: float,
                    bisect_steps: int, min_step: float = 0.0,
-                   points: dict[float, float] | None = None) -> tuple[Goodput, dict[float, float]]:
-    """Measure every rate (ascending), then bisect `bisect_steps` times between the bracket
-    (from 0 when no rate passed; not at all when every rate passed). measure(rate) -> attainment.
-    Stops early when the bracket is narrower than 2 * min_step. Returns (goodput, all points)."""
+                   points: dict[float, float] | None = None,
+                   stop_at_miss: bool = False) -> tuple[Goodput, dict[float, float]]:
+    """Measure every rate (ascending; with stop_at_miss none above the first that misses the
+    target), then bisect `bisect_steps` times between the bracket (from 0 when no rate passed; not
+    at all when every rate passed). measure(rate) -> attainment. Stops early when the bracket is
+    narrower than 2 * min_step. Returns (goodput, all points)."""
     if not rates or any(r <= 0 for r in rates):
         raise ValueError(f"rates must be positive, got {list(rates)}")
     points = {} if points is None else points
     for rate in sorted(set(rates)):
         points[rate] = measure(rate)
+        if stop_at_miss and points[rate] < target:
+            break
     for _ in range(bisect_steps):
         lo, hi = bracket(points, target)
         if hi is None:

@@ -42,6 +42,8 @@ class SweepConfig:
     min_rate_step: float = 0.25  # stop bisecting below this bracket half-width (req/s)
     fresh_server_per_rate: bool = False  # start the tree anew for every rate
     warmup_prompts: int = 0  # requests sent (all at once, not measured) after each start
+    stop_at_miss: bool = False  # measure no rate above the first that misses the target
+    duration_s: float = 0.0  # send at least rate x duration_s requests at each rate (arrivals last ~that long)
 
 
 def point_row(rate: float, result: BenchmarkResult, slo: SLO, result_file: str, bisection: bool) -> dict[str, Any]:
@@ -52,6 +54,12 @@ def point_row(rate: float, result: BenchmarkResult, slo: SLO, result_file: str, 
     return {"rate": rate, "attainment": attainment(result.records, slo, "vllm"),
             "attainment_strict": attainment(result.records, slo, "strict"),
             **{k: s.get(k) for k in keys}, "result_file": result_file, "bisection": bisection}
+
+
+def prompts_at(num_prompts: int, rate: float, duration_s: float) -> int:
+    """Requests to send at `rate`: num_prompts, or more so that arrivals span duration_s (a short
+    burst at a high rate ends before queues build, and overstates what the rate sustains)."""
+    return max(num_prompts, math.ceil(rate * duration_s))
 
 
 async def _warm_up(workload: BenchmarkConfig, url: str, n: int) -> None:
@@ -83,6 +91,7 @@ def run_topology(topology: Topology, workload: BenchmarkConfig, sweep: SweepConf
                         asyncio.run(_warm_up(workload, url, sweep.warmup_prompts))
                 bar.set_postfix_str(f"rate {rate:g}")
                 config = dataclasses.replace(workload, base_url=url, request_rate=rate,
+                                             num_prompts=prompts_at(workload.num_prompts, rate, sweep.duration_s),
                                              slos_ms=sweep.slo.metrics(sweep.definition))
                 result = asyncio.run(run_benchmark(config))
             path = save_result(result, topo_dir, f"rate-{rate:g}.json")
@@ -94,7 +103,8 @@ def run_topology(topology: Topology, workload: BenchmarkConfig, sweep: SweepConf
             key = "attainment" if sweep.definition == "vllm" else "attainment_strict"
             return row[key]
 
-        goodput, _ = search_goodput(measure, sweep.rates, sweep.target, sweep.bisect_steps, sweep.min_rate_step)
+        goodput, _ = search_goodput(measure, sweep.rates, sweep.target, sweep.bisect_steps, sweep.min_rate_step,
+                                    stop_at_miss=sweep.stop_at_miss)
     bar.close()
     other = "attainment_strict" if sweep.definition == "vllm" else "attainment"
     return {"name": topology.name, "topology": dataclasses.asdict(topology),
@@ -118,7 +128,7 @@ def run_sweep(topologies: list[Topology], workload: BenchmarkConfig, sweep: Swee
         "workload": workload_json, "server_args": list(launch.server_args), "gpus": list(launch.gpus),
         "slo": {"ttft_ms": sweep.slo.ttft_ms, "tpot_ms": sweep.slo.tpot_ms}, "target": sweep.target,
         "definition": sweep.definition, "fresh_server_per_rate": sweep.fresh_server_per_rate,
-        "warmup_prompts": sweep.warmup_prompts, "topologies": []}
+        "warmup_prompts": sweep.warmup_prompts, "stop_at_miss": sweep.stop_at_miss, "duration_s": sweep.duration_s, "topologies": []}
     out_dir.mkdir(parents=True, exist_ok=True)
     for topology in topologies:
         report["topologies"].append(run_topology(topology, workload, sweep, launch, out_dir))

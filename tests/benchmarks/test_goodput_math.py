@@ -63,6 +63,15 @@ def test_search_bisects_to_the_known_goodput():
     assert measured == [2, 4, 6, 8, 5.0, 5.5, 5.25]
     assert (goodput.rate, goodput.lo, goodput.hi, goodput.lower_bound) == (5.25, 5.25, 5.5, False)
     assert set(points) == set(measured)
+    measured.clear()  # stop_at_miss: nothing above 6 (the first miss), the same bracket and bisection
+    stopped, _ = search_goodput(curve, [8, 2, 4, 6, 10], target=0.9, bisect_steps=3, stop_at_miss=True)
+    assert measured == [2, 4, 6, 5.0, 5.5, 5.25] and stopped == goodput
+
+
+def test_prompts_per_rate():
+    from benchmarks.goodput.sweep import prompts_at
+    assert prompts_at(100, 4, 0) == 100 and prompts_at(100, 4, 20) == 100  # 80 < 100
+    assert prompts_at(100, 32, 20) == 640 and prompts_at(10, 2.5, 5) == 13  # arrivals span ~20 s / 5 s
 
 
 def test_search_edges():
@@ -112,6 +121,11 @@ def test_gpu_assignment_and_instance_flags():
     argv = instance_argv(t, "decode", options, "127.0.0.1:9")
     assert argv == ["--role", "decode", "--router-address", "127.0.0.1:9", "--kv-transport", "tcp",
                     "--model", "m", "--tensor-parallel-size", "2"]
+    # on GPUs every process sees all of them (ipc opens peers by device index): an instance names its first
+    argv = instance_argv(t, "decode", LaunchOptions(gpus=("4", "5", "6", "7", "2", "3")), "127.0.0.1:9", ("2", "3"))
+    assert argv[-4:] == ["--tensor-parallel-size", "2", "--device", "cuda:4"]
+    given = LaunchOptions(server_args=("--device=cuda:1",), gpus=options.gpus)
+    assert "cuda:2" not in instance_argv(t, "decode", given, "127.0.0.1:9", ("2", "3"))
     dp = LaunchOptions(server_args=("--data-parallel-size", "2"), gpus=options.gpus)
     assert "--tensor-parallel-size" not in instance_argv(t, "prefill", dp, "127.0.0.1:9")
     assert instance_argv(Topology.parse("colloc:1"), "collocated", options, None) == ["--model", "m"]
