@@ -11,6 +11,12 @@ Read mode: the decode side pulls N blocks of all layers and times it. Write mode
 this side pushes N blocks layer by layer, as a prefill does, and times until flush() says they
 landed. --order scattered (default) pairs the blocks in reverse so no two are adjacent on both
 sides (one region per block, layer and k|v: the worst case); contiguous moves them as runs.
+Both caches hold a pattern that names each value's (k|v, layer, block, slot), different on each
+side, so the last move of every block count is checked where it landed (read: here; write: by the
+source process), and a wrong block, layer or head fails the run.
+--busy-peer keeps the source's GPU busy with matmuls while transfers are timed, as a prefill
+instance's GPU is while decode pulls: a transport that launches work on the peer's GPU then
+waits for that GPU's time slice between the two processes.
 
   python -m benchmarks.kv_transfer --transport ipc --blocks 64 256 1024
   python -m benchmarks.kv_transfer --transport nixl --src-device cuda:0 --dst-device cuda:0 --mode write
@@ -31,9 +37,30 @@ import torch
 LAYOUT = dict(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128)
 
 
-def _cache(num_blocks: int, device: str) -> torch.Tensor:
+SOURCE, DESTINATION = 0, 60  # pattern salts: each side's cache differs from the other's everywhere
+
+
+def pattern(blocks, device: str, salt: int) -> torch.Tensor:
+    """The cache content of `blocks` on a side with `salt`: [2, layers, len(blocks), block_size,
+    heads, head_dim], integers below 256 (exact in bf16) from each value's slot, head and dim, its
+    block id, and its k|v and layer."""
     L, bs, h, d = LAYOUT["num_layers"], LAYOUT["block_size"], LAYOUT["num_kv_heads"], LAYOUT["head_dim"]
-    return torch.randn(2, L, num_blocks, bs, h, d, dtype=torch.bfloat16, device=device)
+    ids = torch.as_tensor(blocks, dtype=torch.int16, device=device)
+    within = (torch.arange(bs * h * d, device=device) % 37).to(torch.int16).view(1, 1, 1, bs, h, d)
+    kv_layer = (torch.arange(2 * L, device=device) % 53).to(torch.int16).view(2, L, 1, 1, 1, 1)
+    return (within + (ids % 101).view(1, 1, -1, 1, 1, 1) + kv_layer + salt).to(torch.bfloat16)
+
+
+def _cache(num_blocks: int, device: str, salt: int) -> torch.Tensor:
+    return pattern(range(num_blocks), device, salt)
+
+
+def landed(cache: torch.Tensor, blocks: list[int], source_blocks: list[int], salt: int) -> str | None:
+    """None when cache's `blocks` hold the pattern of `source_blocks` of the side with `salt`
+    (what a move of source_blocks there into blocks here leaves), else what differs."""
+    got = cache[:, :, torch.tensor(blocks, device=cache.device)]
+    bad = (got != pattern(source_blocks, str(cache.device), salt)).nonzero()
+    return None if bad.numel() == 0 else f"{bad.shape[0]} values differ, first at (k|v, layer, i, slot, head, dim) {bad[0].tolist()}"
 
 
 def _worker(cache: torch.Tensor, transport: str, name: str):
@@ -62,12 +89,26 @@ def _sync(*devices: str) -> None:
             torch.cuda.synchronize(d)
 
 
-def _prefill(transport: str, device: str, num_blocks: int, addr_q, stop_q) -> None:
+def _prefill(transport: str, device: str, num_blocks: int, busy: bool, addr_q, stop_q) -> None:
+    """The source side: serves its cache until told to stop; checks what a write left in it when
+    asked ("check", blocks here, the writer's blocks); with `busy`, matmuls on its GPU meanwhile."""
+    import queue
     _set_device(device)
-    cache = _cache(num_blocks, device)
+    cache = _cache(num_blocks, device, SOURCE)
     worker = _worker(cache, transport, "prefill")
     addr_q.put(worker.address)
-    stop_q.get()
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device) if busy else None
+    while True:
+        try:
+            msg = stop_q.get(timeout=0.0 if busy else None)
+        except queue.Empty:
+            a @ a  # ~1.5 ms of an H200: the GPU never idles between launches
+            continue
+        if msg is None:
+            break
+        _, blocks, source_blocks = msg
+        _sync(device)
+        addr_q.put(landed(cache, blocks, source_blocks, DESTINATION))
     worker.close()
 
 
@@ -107,6 +148,8 @@ def main() -> None:
     ap.add_argument("--order", default="scattered", choices=["scattered", "contiguous"],
                     help="scattered: local blocks in reverse of the remote ones (one region per block); "
                          "contiguous: the same ids on both sides (runs coalesce)")
+    ap.add_argument("--busy-peer", action="store_true",
+                    help="keep the source's GPU busy (back-to-back matmuls) while transfers are timed")
     ap.add_argument("--out", default=None, help="write results as JSON here")
     args = ap.parse_args()
     if args.mode == "write" and args.transport == "tcp":
@@ -114,11 +157,12 @@ def main() -> None:
     num_blocks = max(args.blocks) + 8
     ctx = mp.get_context("spawn")
     addr_q, stop_q = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_prefill, args=(args.transport, args.src_device, num_blocks, addr_q, stop_q))
+    busy = args.busy_peer and args.src_device.startswith("cuda")
+    proc = ctx.Process(target=_prefill, args=(args.transport, args.src_device, num_blocks, busy, addr_q, stop_q))
     proc.start()
     peer = addr_q.get(timeout=120)
     _set_device(args.dst_device)
-    cache = _cache(num_blocks, args.dst_device)
+    cache = _cache(num_blocks, args.dst_device, DESTINATION)
     worker = _worker(cache, args.transport, "decode")
     worker._session(peer)  # the data handshake: the transport attaches to the peer's cache
     cpu = "cpu" in (args.src_device, args.dst_device)
@@ -137,6 +181,16 @@ def main() -> None:
         med = sorted(times)[len(times) // 2]
         gbps = n * block_bytes / med / 1e9
         rows.append(dict(blocks=n, mib=n * block_bytes / 2**20, ms=med * 1e3, gbps=gbps, of_ceiling=gbps / ceiling))
+        local = ids[::-1] if args.order == "scattered" else ids
+        if args.mode == "read":  # our `local` blocks hold the source's `ids`
+            error = landed(cache, local, ids, SOURCE)
+        else:  # the source's `ids` hold our `local` blocks
+            stop_q.put(("check", ids, local))
+            error = addr_q.get(timeout=120)
+        if error:
+            stop_q.put(None)
+            proc.join(30)
+            raise SystemExit(f"kv_transfer: {n} blocks over {args.transport} ({args.mode}) landed wrong: {error}")
     stop_q.put(None)
     proc.join(30)
     worker.close()
@@ -146,6 +200,7 @@ def main() -> None:
           f"peer-copy ceiling {ceiling:.1f} GB/s (one way, {'256 MiB' if cpu else '1 GiB'} copy, same run); block = {block_bytes / 2**20:.1f} MiB (8B layout, bf16)")
     print(f"ends in two processes, as in a deployment: source (prefill) pid {ends['src_pid']} on {args.src_device}, "
           f"measuring (decode) pid {ends['dst_pid']} on {args.dst_device}; order {args.order}"
+          + ("; the source's GPU busy with matmuls" if busy else "") + "; every move's blocks checked where they landed"
           + (f"; {ucx}" if ucx and args.transport == "nixl" else ""))
     print(f"{'blocks':>7} {'MiB':>8} {'ms':>8} {'GB/s':>8} {'of ceiling':>10}")
     for r in rows:
