@@ -146,3 +146,27 @@ def test_dummy_model_tokenizer_covers_the_vocabulary(tmp_path):
     rng = random.Random(0)
     ids = [rng.randrange(2, vocab) for _ in range(500)] + [vocab - 1, 2, 12, 121]
     assert tok.encode(tok.decode(ids), add_special_tokens=False) == ids
+
+
+def test_merge_reports_unions_rates_and_recomputes_goodput():
+    from benchmarks.goodput.merge import merge_reports
+
+    def report(name, points, **over):
+        base = {"workload": {"random_input_len": 2000}, "slo": {"ttft_ms": 1000, "tpot_ms": 50}, "target": 0.9,
+                "definition": "vllm", "server_args": ["--model", "m"]}
+        return {**base, **over, "topologies": [{"name": name, "topology": {"kind": "colloc"},
+                                                "points": [{"rate": r, "attainment": a, "attainment_strict": s}
+                                                           for r, a, s in points]}]}
+
+    first = report("colloc2", [(4, 1.0, 0.95), (8, 1.0, 0.5), (16, 1.0, 0.1)])  # every rate met: a lower bound
+    later = report("colloc2", [(32, 0.6, 0.0), (16, 0.95, 0.0)])  # a later run: 32 misses, 16 re-measured
+    other = report("pd1p1d", [(4, 0.5, 0.5)])
+    merged = merge_reports([first, later, other])
+    colloc, pd = merged["topologies"]
+    assert [p["rate"] for p in colloc["points"]] == [4, 8, 16, 32]
+    assert colloc["points"][2]["attainment"] == 0.95  # the later run's 16
+    assert colloc["goodput"] == {"rate": 16, "bracket": [16, 32], "lower_bound": False}
+    assert colloc["goodput_strict"] == {"rate": 4, "bracket": [4, 8], "lower_bound": False}
+    assert pd["goodput"]["rate"] == 0.0 and merged["merged_from"] == 3
+    with pytest.raises(ValueError, match="slo"):
+        merge_reports([first, report("x", [(1, 1.0, 1.0)], slo={"ttft_ms": 200, "tpot_ms": 50})])

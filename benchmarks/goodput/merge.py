@@ -1,0 +1,67 @@
+"""Merge goodput reports of one workload into one: `python -m benchmarks.goodput.merge --out DIR
+RUN_DIR...`. Time-boxed runs (scripts/device/goodput_2gpu.sh) measure one topology per run, and a
+later run may add rates to a topology; the merged report has every topology once, with the union
+of its measured rates (a rate measured twice keeps the later run's), its goodput recomputed under
+both definitions, and the attainment chart of them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from benchmarks.goodput.slo import goodput_of
+from benchmarks.goodput.sweep import REPORT_NAME
+
+_SAME = ("workload", "slo", "target", "definition", "server_args")
+
+
+def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Reports in run order -> one report (the first's settings; the others must share them)."""
+    if not reports:
+        raise ValueError("no reports to merge")
+    first = reports[0]
+    for r in reports[1:]:
+        for key in _SAME:
+            if r.get(key) != first.get(key):
+                raise ValueError(f"reports differ in {key!r}: {first.get(key)!r} vs {r.get(key)!r}")
+    topologies: dict[str, dict[str, Any]] = {}
+    for r in reports:
+        for t in r["topologies"]:
+            merged = topologies.setdefault(t["name"], {"name": t["name"], "topology": t["topology"], "points": {}})
+            merged["points"].update({p["rate"]: p for p in t["points"]})
+    target, out = first["target"], []
+    for t in topologies.values():
+        points = [t["points"][rate] for rate in sorted(t["points"])]
+        vllm = goodput_of({p["rate"]: p["attainment"] for p in points}, target).to_json()
+        strict = goodput_of({p["rate"]: p["attainment_strict"] for p in points}, target).to_json()
+        main, other = (vllm, strict) if first["definition"] == "vllm" else (strict, vllm)
+        out.append({"name": t["name"], "topology": t["topology"], "points": points, "goodput": main,
+                    f"goodput_{'strict' if first['definition'] == 'vllm' else 'vllm'}": other})
+    return {**{k: v for k, v in first.items() if k != "topologies"}, "merged_from": len(reports), "topologies": out}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", type=Path, help="run folders (each with a goodput.json), in run order")
+    ap.add_argument("--out", type=Path, required=True, help="folder for the merged goodput.json and attainment.png")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args()
+    report = merge_reports([json.loads((d / REPORT_NAME).read_text()) for d in args.runs])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / REPORT_NAME).write_text(json.dumps(report, indent=2))
+    for t in report["topologies"]:
+        other = next(k for k in t if k.startswith("goodput_"))
+        print(f"{t['name']:<28} goodput {t['goodput']['rate']:g}{'+' if t['goodput']['lower_bound'] else ''} "
+              f"req/s ({report['definition']}), {t[other]['rate']:g}{'+' if t[other]['lower_bound'] else ''} "
+              f"({other[len('goodput_'):]})  " + "  ".join(f"{p['rate']:g}:{100 * p['attainment']:.0f}%"
+                                                          for p in t["points"]))
+    if not args.no_plot:
+        from benchmarks.goodput.plots import attainment_plot
+        attainment_plot(report, args.out / "attainment.png")
+
+
+if __name__ == "__main__":
+    main()
