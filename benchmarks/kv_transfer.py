@@ -60,7 +60,9 @@ def landed(cache: torch.Tensor, blocks: list[int], source_blocks: list[int], sal
     (what a move of source_blocks there into blocks here leaves), else what differs."""
     got = cache[:, :, torch.tensor(blocks, device=cache.device)]
     bad = (got != pattern(source_blocks, str(cache.device), salt)).nonzero()
-    return None if bad.numel() == 0 else f"{bad.shape[0]} values differ, first at (k|v, layer, i, slot, head, dim) {bad[0].tolist()}"
+    if bad.numel() == 0:
+        return None
+    return f"{bad.shape[0]} values differ, first at (k|v, layer, i, slot, head, dim) {bad[0].tolist()}"
 
 
 def _worker(cache: torch.Tensor, transport: str, name: str):

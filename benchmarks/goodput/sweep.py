@@ -128,7 +128,8 @@ def run_sweep(topologies: list[Topology], workload: BenchmarkConfig, sweep: Swee
         "workload": workload_json, "server_args": list(launch.server_args), "gpus": list(launch.gpus),
         "slo": {"ttft_ms": sweep.slo.ttft_ms, "tpot_ms": sweep.slo.tpot_ms}, "target": sweep.target,
         "definition": sweep.definition, "fresh_server_per_rate": sweep.fresh_server_per_rate,
-        "warmup_prompts": sweep.warmup_prompts, "stop_at_miss": sweep.stop_at_miss, "duration_s": sweep.duration_s, "topologies": []}
+        "warmup_prompts": sweep.warmup_prompts, "stop_at_miss": sweep.stop_at_miss, "duration_s": sweep.duration_s,
+        "topologies": []}
     out_dir.mkdir(parents=True, exist_ok=True)
     for topology in topologies:
         report["topologies"].append(run_topology(topology, workload, sweep, launch, out_dir))

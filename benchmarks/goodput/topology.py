@@ -31,7 +31,7 @@ class Topology:
     decode: int = 1  # pd
     kv_mode: str = "write"
     transport: str = "tcp"
-    gpus: int = 1  # GPUs per instance (CUDA_VISIBLE_DEVICES); > 1 adds --tensor-parallel-size G by default
+    gpus: int = 1  # GPUs per instance (--device cuda:N and the next ones); > 1 adds --tensor-parallel-size G by default
     direct: bool = False  # colloc with one instance: clients talk to it, no router
     name: str = ""
     server_args: tuple[str, ...] = ()  # extra `server` flags for every instance of this topology
