@@ -206,14 +206,20 @@ class EngineCore:
     def _continues(self, prev: PendingStep) -> bool:
         """May the next decode step of prev's requests launch before prev's tokens are known?
         Only if it is exactly what the scheduler would pick (all running requests, one token
-        each, nobody waiting to get in), no request ends by length on prev's token (that one
-        is known now) or still needs min_tokens masking (counted on the host), and each
-        request gets the block for one more token."""
+        each, nobody waiting who could get in), no request ends by length on prev's token (that
+        one is known now) or still needs min_tokens masking (counted on the host), and each
+        request gets the block for one more token. A PD decode's requests whose KV is still
+        arriving cannot get in, so they do not stop it; the connector is polled first, so one
+        whose KV has landed does (and a failed transfer is seen as soon as in a scheduled step)."""
         s = self.scheduler
-        reqs = [req for req, _ in prev.out.scheduled]
-        if (not reqs or len(reqs) != len(s.running) or (s.waiting and len(s.running) < s.config.max_num_seqs)
-                or len(reqs) > s.config.max_num_batched_tokens or s.sending):
+        if s.sending:
             return False  # (blocks held for KV sends: take the path that polls the connector)
+        if s.connector is not None:
+            s.poll_connector()
+        reqs = [req for req, _ in prev.out.scheduled]
+        if (not reqs or len(reqs) != len(s.running) or s.can_admit()
+                or len(reqs) > s.config.max_num_batched_tokens):
+            return False
         for req, n in prev.out.scheduled:
             if (n != 1 or req.status != RequestStatus.RUNNING or req.num_computed_tokens + 1 != req.num_tokens
                     or req.num_output_tokens + 1 >= req.max_tokens or req.num_tokens + 1 >= self.max_model_len

@@ -111,6 +111,12 @@ class Scheduler:
         req.error = message
         self._finish(req, RequestStatus.FINISHED_ERROR)
 
+    def can_admit(self) -> bool:
+        """A waiting request could start now (one not still waiting for its remote KV, and room
+        for another sequence)."""
+        return len(self.running) < self.config.max_num_seqs and any(
+            r.status != RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.pending_outputs)
 
@@ -166,7 +172,9 @@ class Scheduler:
                 self._finish(req, status)
             self.pending_outputs.append(self._output(req, [token_id], [lp] if lp else None, req.kv_transfer_params_out))
 
-    def _poll_connector(self) -> None:
+    def poll_connector(self) -> None:
+        """PD: take forwarded first tokens, free blocks whose send is confirmed, end failed
+        transfers' requests, and make requests whose KV landed schedulable (WAITING)."""
         self._take_first_tokens()
         landed, failed, sent = self.connector.poll()
         for rid in sent:
@@ -206,7 +214,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         if self.connector is not None:
-            self._poll_connector()
+            self.poll_connector()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         preempted = False

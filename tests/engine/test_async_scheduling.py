@@ -97,3 +97,78 @@ def test_async_abort_and_preemption_leave_no_blocks(tiny_models):
 def test_async_is_the_default(tiny_models):
     assert LLM(tiny_models["llama"][0], device="cpu").engine.async_scheduling
     assert not LLM(tiny_models["llama"][0], device="cpu", async_scheduling=False).engine.async_scheduling
+
+
+class _ArrivingKV:
+    """The scheduler side of a PD decode's connector, reduced to what a step asks of it: one
+    request's KV is in flight until `landed` names it."""
+
+    def __init__(self):
+        self.landed: set[str] = set()
+
+    def take_first_tokens(self):
+        return {}
+
+    def ready(self, req):
+        return True
+
+    def num_remote_tokens(self, req, num_local):  # requests added here compute their prompt
+        return 0
+
+    def poll(self):
+        return set(self.landed), {}, set()
+
+    def on_request_finished(self, req):
+        return False, None
+
+
+def test_decode_launches_ahead_while_kv_arrives(tiny_models):
+    """A PD decode always has requests whose KV is still arriving. They cannot be scheduled, so
+    they must not stop the running requests' steps from launching ahead of the host (that put
+    every decode step of a loaded PD decode on the synchronous path); once the KV lands, the
+    request starts at the next step. Reference: the same request alone (its tokens from the
+    landed KV are the engine's own computation of the prompt, copied into its blocks here)."""
+    from tandem.engine.request import Request, RequestStatus
+
+    path = tiny_models["llama"][0]
+    p = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    kw = dict(COMMON, num_gpu_blocks_override=64)
+    want = LLM(path, async_scheduling=False, **kw).generate([PROMPTS[0], PROMPTS[3]], p)
+    llm = LLM(path, async_scheduling=True, **kw)
+    core, kv = llm.engine, _ArrivingKV()
+    core.scheduler.connector = kv
+    counts = _spy_launches(llm)
+    core.add_request(EngineRequest("run", PROMPTS[0], p))
+    outputs = []
+    for _ in range(3):  # prefill, then decoding
+        outputs += core.step()
+    # the request whose KV arrives: blocks for its prompt and first token, as _admit hands out
+    remote = Request("remote", PROMPTS[3], p, max_tokens=14)
+    assert core.blocks.allocate(remote, len(PROMPTS[3]) + 1)
+    remote.remote_computed_tokens = len(PROMPTS[3])
+    remote.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+    core.scheduler.requests["remote"], _ = remote, core.scheduler.waiting.append(remote)
+    before = counts["ahead"]
+    for _ in range(4):
+        outputs += core.step()
+    assert counts["ahead"] - before >= 3, "a request waiting for its KV stopped the launches ahead"
+    # the KV lands: the prompt's KV (computed here by a twin engine) and the prefill's first token
+    twin = LLM(path, async_scheduling=False, **kw).engine
+    twin.add_request(EngineRequest("t", PROMPTS[3], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)))
+    first = []
+    while not first:  # the prompt's steps: its first token (the prefill's), blocks still held
+        first = [o for o in twin.step() if o.new_token_ids]
+    n_blocks = -(-len(PROMPTS[3]) // COMMON["block_size"])
+    src = twin.scheduler.requests["t"].block_ids[:n_blocks]
+    core.runner.kv_cache[:, :, remote.block_ids[:n_blocks]] = twin.runner.kv_cache[:, :, src]
+    remote.all_token_ids.append(first[0].new_token_ids[0])
+    kv.landed.add("remote")
+    outputs += core.step()
+    outputs += core.step()
+    assert remote.status == RequestStatus.RUNNING, "the landed request did not start within two steps"
+    while core.has_unfinished_requests():
+        outputs += core.step()
+    got = {rid: [t for o in outputs if o.request_id == rid for t in o.new_token_ids] for rid in ("run", "remote")}
+    assert got["run"] == want[0].token_ids
+    assert [first[0].new_token_ids[0]] + got["remote"] == want[1].token_ids
+    assert core.blocks.num_free_blocks == core.blocks.num_blocks
