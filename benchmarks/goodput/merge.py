@@ -58,6 +58,13 @@ def main() -> None:
               f"req/s ({report['definition']}), {t[other]['rate']:g}{'+' if t[other]['lower_bound'] else ''} "
               f"({other[len('goodput_'):]})  " + "  ".join(f"{p['rate']:g}:{100 * p['attainment']:.0f}%"
                                                           for p in t["points"]))
+        missed = next((p for p in t["points"] if p["attainment"] < report["target"] and p.get("misses")), None)
+        if missed:
+            m = missed["misses"]
+            print(f"{'':<28} at {missed['rate']:g} req/s: failed {100 * m['failed']:.0f}%, TTFT over "
+                  f"{100 * m['ttft']:.0f}%, TPOT over {100 * m['tpot']:.0f}%, a gap over {100 * m['itl']:.0f}%; "
+                  f"first gap p50 {m['first_gap_p50_ms'] or 0:.0f} ms, largest later gap p50 "
+                  f"{m['max_later_gap_p50_ms'] or 0:.0f} ms")
     if not args.no_plot:
         from benchmarks.goodput.plots import attainment_plot
         attainment_plot(report, args.out / "attainment.png")

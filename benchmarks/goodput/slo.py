@@ -39,6 +39,27 @@ def attainment(records: Sequence[RequestRecord], slo: SLO, definition: str = "vl
     return sum(meets_slos(r, slos_ms) for r in records) / len(records)
 
 
+def misses(records: Sequence[RequestRecord], slo: SLO) -> dict[str, float]:
+    """Why requests miss: the fraction (0..1) of all records that failed, went over the TTFT
+    bound, over the TPOT bound, or had any inter-token gap over it, and the median first gap
+    (ms; decode's first token after the first one: in PD, the wait for the prompt's KV) against
+    the median of each request's largest later gap. A request may count under several."""
+    ok = [r for r in records if r.success]
+    n = max(len(records), 1)
+    over = lambda values: sum(v > slo.tpot_ms / 1e3 for v in values) / n  # noqa: E731
+
+    def median(values: list[float]) -> float | None:
+        values = sorted(values)
+        return 1e3 * values[len(values) // 2] if values else None
+
+    return {"failed": (len(records) - len(ok)) / n,
+            "ttft": sum(r.ttft_s > slo.ttft_ms / 1e3 for r in ok) / n,
+            "tpot": over([r.tpot_s for r in ok if r.tpot_s is not None]),
+            "itl": over([max(r.itl_s) for r in ok if r.itl_s]),
+            "first_gap_p50_ms": median([r.itl_s[0] for r in ok if r.itl_s]),
+            "max_later_gap_p50_ms": median([max(r.itl_s[1:]) for r in ok if len(r.itl_s) > 1])}
+
+
 def bracket(points: Mapping[float, float], target: float) -> tuple[float | None, float | None]:
     """(lo, hi): lo is the highest rate whose attainment >= target (None if none), hi the lowest
     measured rate above lo (every such rate misses the target; None if lo is the highest)."""

@@ -23,7 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks.goodput.deployment import Deployment, LaunchOptions
-from benchmarks.goodput.slo import SLO, attainment, goodput_of, search_goodput
+from benchmarks.goodput.slo import SLO, attainment, goodput_of, misses, search_goodput
 from benchmarks.goodput.topology import Topology
 from benchmarks.serve import BenchmarkConfig, BenchmarkResult, run_benchmark, save_result
 
@@ -52,7 +52,7 @@ def point_row(rate: float, result: BenchmarkResult, slo: SLO, result_file: str, 
     keys = ("completed", "failed", "request_throughput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms",
             "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "p99_itl_ms")
     return {"rate": rate, "attainment": attainment(result.records, slo, "vllm"),
-            "attainment_strict": attainment(result.records, slo, "strict"),
+            "attainment_strict": attainment(result.records, slo, "strict"), "misses": misses(result.records, slo),
             **{k: s.get(k) for k in keys}, "result_file": result_file, "bisection": bisection}
 
 

@@ -170,3 +170,19 @@ def test_merge_reports_unions_rates_and_recomputes_goodput():
     assert pd["goodput"]["rate"] == 0.0 and merged["merged_from"] == 3
     with pytest.raises(ValueError, match="slo"):
         merge_reports([first, report("x", [(1, 1.0, 1.0)], slo={"ttft_ms": 200, "tpot_ms": 50})])
+
+
+def test_misses_say_why_requests_miss():
+    from benchmarks.goodput.slo import misses
+    from benchmarks.serve import RequestRecord
+
+    slo = SLO(ttft_ms=1000, tpot_ms=50)
+    fine = RequestRecord(0, 10, 4, ttft_s=0.2, e2el_s=0.26, itl_s=[0.02, 0.02, 0.02], output_tokens=4, success=True)
+    late = RequestRecord(1, 10, 4, ttft_s=1.5, e2el_s=1.56, itl_s=[0.02, 0.02, 0.02], output_tokens=4, success=True)
+    # PD's failure: the first gap (the KV's wait) is long, so TPOT goes over; later gaps are fine
+    stalled = RequestRecord(2, 10, 4, ttft_s=0.2, e2el_s=0.64, itl_s=[0.4, 0.02, 0.02], output_tokens=4, success=True)
+    failed = RequestRecord(3, 10, 4, success=False, error="boom")
+    m = misses([fine, late, stalled, failed], slo)
+    assert m["failed"] == m["ttft"] == m["tpot"] == m["itl"] == 0.25
+    assert m["first_gap_p50_ms"] == pytest.approx(20) and m["max_later_gap_p50_ms"] == pytest.approx(20)
+    assert misses([], slo)["first_gap_p50_ms"] is None
