@@ -45,11 +45,12 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", type=Path, help="run folders (each with a goodput.json), in run order")
+    ap.add_argument("runs", nargs="+", type=Path,
+                    help="run folders (each with a goodput.json) or report files, in run order")
     ap.add_argument("--out", type=Path, required=True, help="folder for the merged goodput.json and attainment.png")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
-    report = merge_reports([json.loads((d / REPORT_NAME).read_text()) for d in args.runs])
+    report = merge_reports([json.loads((d / REPORT_NAME if d.is_dir() else d).read_text()) for d in args.runs])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / REPORT_NAME).write_text(json.dumps(report, indent=2))
     for t in report["topologies"]:
