@@ -116,9 +116,10 @@ def instance_argv(topology: Topology, role: str, options: LaunchOptions, registr
         argv += topology.prefill_args
     elif role == "decode":
         argv += topology.decode_args
-    if topology.gpus > 1 and options.gpus and not any(a.split("=")[0] in PARALLEL_FLAGS for a in argv):
+    given = {a.split("=")[0] for a in argv}
+    if topology.gpus > 1 and options.gpus and not given & set(PARALLEL_FLAGS):
         argv += ["--tensor-parallel-size", str(topology.gpus)]
-    if gpus and not any(a.split("=")[0] == "--device" for a in argv):
+    if gpus and "--device" not in given:
         argv += ["--device", f"cuda:{options.gpus.index(gpus[0])}"]
     if role in ("prefill", "decode"):
         argv = ["--role", role, "--router-address", registry, "--kv-transport", topology.transport, *argv]

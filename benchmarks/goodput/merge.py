@@ -12,8 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.goodput.slo import goodput_of
-from benchmarks.goodput.sweep import REPORT_NAME
+from benchmarks.goodput.sweep import REPORT_NAME, topology_report
 
 _SAME = ("workload", "slo", "target", "definition", "server_args")
 
@@ -32,14 +31,8 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
         for t in r["topologies"]:
             merged = topologies.setdefault(t["name"], {"name": t["name"], "topology": t["topology"], "points": {}})
             merged["points"].update({p["rate"]: p for p in t["points"]})
-    target, out = first["target"], []
-    for t in topologies.values():
-        points = [t["points"][rate] for rate in sorted(t["points"])]
-        vllm = goodput_of({p["rate"]: p["attainment"] for p in points}, target).to_json()
-        strict = goodput_of({p["rate"]: p["attainment_strict"] for p in points}, target).to_json()
-        main, other = (vllm, strict) if first["definition"] == "vllm" else (strict, vllm)
-        out.append({"name": t["name"], "topology": t["topology"], "points": points, "goodput": main,
-                    f"goodput_{'strict' if first['definition'] == 'vllm' else 'vllm'}": other})
+    out = [topology_report(t["name"], t["topology"], [t["points"][rate] for rate in sorted(t["points"])],
+                           first["target"], first["definition"]) for t in topologies.values()]
     return {**{k: v for k, v in first.items() if k != "topologies"}, "merged_from": len(reports), "topologies": out}
 
 

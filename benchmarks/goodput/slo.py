@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from benchmarks.serve import RequestRecord, meets_slos
+from benchmarks.serve import RequestRecord, meets_slos, percentile
 
 DEFINITIONS = ("vllm", "strict")
 
@@ -49,8 +49,8 @@ def misses(records: Sequence[RequestRecord], slo: SLO) -> dict[str, float]:
     over = lambda values: sum(v > slo.tpot_ms / 1e3 for v in values) / n  # noqa: E731
 
     def median(values: list[float]) -> float | None:
-        values = sorted(values)
-        return 1e3 * values[len(values) // 2] if values else None
+        p50 = percentile(values, 50)
+        return None if p50 is None else 1e3 * p50
 
     return {"failed": (len(records) - len(ok)) / n,
             "ttft": sum(r.ttft_s > slo.ttft_ms / 1e3 for r in ok) / n,

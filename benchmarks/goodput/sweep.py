@@ -103,14 +103,22 @@ def run_topology(topology: Topology, workload: BenchmarkConfig, sweep: SweepConf
             key = "attainment" if sweep.definition == "vllm" else "attainment_strict"
             return row[key]
 
-        goodput, _ = search_goodput(measure, sweep.rates, sweep.target, sweep.bisect_steps, sweep.min_rate_step,
+        search_goodput(measure, sweep.rates, sweep.target, sweep.bisect_steps, sweep.min_rate_step,
                                     stop_at_miss=sweep.stop_at_miss)
     bar.close()
-    other = "attainment_strict" if sweep.definition == "vllm" else "attainment"
-    return {"name": topology.name, "topology": dataclasses.asdict(topology),
-            "points": [rows[r] for r in sorted(rows)], "goodput": goodput.to_json(),
-            f"goodput_{'strict' if sweep.definition == 'vllm' else 'vllm'}":
-                goodput_of({r: row[other] for r, row in rows.items()}, sweep.target).to_json()}
+    return topology_report(topology.name, dataclasses.asdict(topology), [rows[r] for r in sorted(rows)],
+                           sweep.target, sweep.definition)
+
+
+def topology_report(name: str, topology: dict[str, Any], points: list[dict[str, Any]], target: float,
+                    definition: str) -> dict[str, Any]:
+    """A topology's part of the report: its rows (ascending rates), its goodput under
+    `definition`, and under the other one as goodput_<other>."""
+    other = "strict" if definition == "vllm" else "vllm"
+    key = {"vllm": "attainment", "strict": "attainment_strict"}
+    goodput = {d: goodput_of({p["rate"]: p[key[d]] for p in points}, target).to_json() for d in key}
+    return {"name": name, "topology": topology, "points": points, "goodput": goodput[definition],
+            f"goodput_{other}": goodput[other]}
 
 
 def run_sweep(topologies: list[Topology], workload: BenchmarkConfig, sweep: SweepConfig, launch: LaunchOptions,
