@@ -30,6 +30,7 @@ from benchmarks.serve import BenchmarkConfig, BenchmarkResult, run_benchmark, sa
 logger = logging.getLogger(__name__)
 
 REPORT_NAME = "goodput.json"
+ATTAINMENT = {"vllm": "attainment", "strict": "attainment_strict"}  # definition -> its column of a rate's row
 
 
 @dataclass(frozen=True)
@@ -100,11 +101,10 @@ def run_topology(topology: Topology, workload: BenchmarkConfig, sweep: SweepConf
             bar.update(1)
             bar.set_postfix_str(f"rate {rate:g}: attainment {100 * row['attainment']:.1f}% "
                                 f"(strict {100 * row['attainment_strict']:.1f}%)")
-            key = "attainment" if sweep.definition == "vllm" else "attainment_strict"
-            return row[key]
+            return row[ATTAINMENT[sweep.definition]]
 
         search_goodput(measure, sweep.rates, sweep.target, sweep.bisect_steps, sweep.min_rate_step,
-                                    stop_at_miss=sweep.stop_at_miss)
+                       stop_at_miss=sweep.stop_at_miss)
     bar.close()
     return topology_report(topology.name, dataclasses.asdict(topology), [rows[r] for r in sorted(rows)],
                            sweep.target, sweep.definition)
@@ -115,8 +115,7 @@ def topology_report(name: str, topology: dict[str, Any], points: list[dict[str, 
     """A topology's part of the report: its rows (ascending rates), its goodput under
     `definition`, and under the other one as goodput_<other>."""
     other = "strict" if definition == "vllm" else "vllm"
-    key = {"vllm": "attainment", "strict": "attainment_strict"}
-    goodput = {d: goodput_of({p["rate"]: p[key[d]] for p in points}, target).to_json() for d in key}
+    goodput = {d: goodput_of({p["rate"]: p[key] for p in points}, target).to_json() for d, key in ATTAINMENT.items()}
     return {"name": name, "topology": topology, "points": points, "goodput": goodput[definition],
             f"goodput_{other}": goodput[other]}
 
