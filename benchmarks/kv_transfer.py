@@ -45,10 +45,10 @@ def pattern(blocks, device: str, salt: int) -> torch.Tensor:
     heads, head_dim], integers below 256 (exact in bf16) from each value's slot, head and dim, its
     block id, and its k|v and layer."""
     L, bs, h, d = LAYOUT["num_layers"], LAYOUT["block_size"], LAYOUT["num_kv_heads"], LAYOUT["head_dim"]
-    ids = torch.as_tensor(blocks, dtype=torch.int16, device=device)
+    block = (torch.as_tensor(blocks, device=device) % 101).to(torch.int16).view(1, 1, -1, 1, 1, 1)
     within = (torch.arange(bs * h * d, device=device) % 37).to(torch.int16).view(1, 1, 1, bs, h, d)
     kv_layer = (torch.arange(2 * L, device=device) % 53).to(torch.int16).view(2, L, 1, 1, 1, 1)
-    return (within + (ids % 101).view(1, 1, -1, 1, 1, 1) + kv_layer + salt).to(torch.bfloat16)
+    return (within + block + kv_layer + salt).to(torch.bfloat16)
 
 
 def _cache(num_blocks: int, device: str, salt: int) -> torch.Tensor:
@@ -173,17 +173,17 @@ def main() -> None:
     rows = []
     for n in args.blocks:
         ids = list(range(n))
+        local = ids[::-1] if args.order == "scattered" else ids
         move = _read if args.mode == "read" else _write
         move(worker.transport, peer, ids, ids)  # warm-up
         times = []
         for _ in range(args.repeats):
             t = time.perf_counter()
-            move(worker.transport, peer, ids, ids[::-1] if args.order == "scattered" else ids)
+            move(worker.transport, peer, ids, local)
             times.append(time.perf_counter() - t)
         med = sorted(times)[len(times) // 2]
         gbps = n * block_bytes / med / 1e9
         rows.append(dict(blocks=n, mib=n * block_bytes / 2**20, ms=med * 1e3, gbps=gbps, of_ceiling=gbps / ceiling))
-        local = ids[::-1] if args.order == "scattered" else ids
         if args.mode == "read":  # our `local` blocks hold the source's `ids`
             error = landed(cache, local, ids, SOURCE)
         else:  # the source's `ids` hold our `local` blocks
