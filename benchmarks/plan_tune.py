@@ -46,6 +46,11 @@ def _near(values: tuple, current) -> list:
     return sorted(values, key=lambda v: abs(v - current))[:2]
 
 
+def _others(values: tuple, current) -> list:
+    """Every value but `current` (for knobs that do not act in order)."""
+    return [v for v in values if v != current]
+
+
 def gemm_neighbours(p: dict, k: int, block_k: int | None) -> list[dict]:
     """Plans one step away from decode-tile plan p (kernels/triton/fp8_skinny.py) for a weight of K
     columns (block_k: its K block, None per-channel): strip width, split, warps, stages, QUANT and
@@ -87,7 +92,7 @@ def moe_neighbours(p: dict) -> list[dict]:
     out = []
     for knob, values in MOE_KNOBS.items():
         current = p[knob] if knob in p else p[knob[:-1]]  # (num_warps2 defaults to num_warps)
-        for v in ([v for v in values if v != current] if knob in MOE_EVERY else _near(values, current)):
+        for v in (_others if knob in MOE_EVERY else _near)(values, current):
             q = dict(p, **{knob: v})
             if q not in out and q != p:
                 out.append(q)
@@ -232,8 +237,7 @@ def attention_neighbours(p: dict) -> list[dict]:
     at 168; ptxas sm_90, 4 warps). One knob at a time would reach that only through slower plans."""
     out = []
     for knob, values in ATTENTION_KNOBS.items():
-        near = [v for v in values if v != p[knob]] if knob == "num_stages" else _near(values, p[knob])
-        out += [dict(p, **{knob: v}) for v in near]
+        out += [dict(p, **{knob: v}) for v in (_others if knob == "num_stages" else _near)(values, p[knob])]
     if not p["KV_AHEAD"]:
         out.append(dict(p, KV_AHEAD=True, num_stages=1, maxnreg=max(p["maxnreg"], 168) if p["maxnreg"] else 0))
     return out
