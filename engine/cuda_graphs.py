@@ -32,6 +32,9 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        # a capture stream of this device: torch's default one is made once per process, on the device
+        # current then, and capturing on it moves launches to that device (two engines, two GPUs)
+        self.capture_stream = torch.cuda.Stream(device)
         self._capture()
 
     def _ctx(self, n: int) -> ForwardContext:
@@ -50,7 +53,7 @@ class DecodeGraphs:
             self._forward(n)  # warm-up: Triton compiles and autotunes outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=self.capture_stream):
                 hidden, logits = self._forward(n)
             pool = graph.pool()
             self.graphs[n] = (graph, hidden, logits)

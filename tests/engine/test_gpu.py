@@ -73,3 +73,16 @@ def test_pending_norms_as_close_to_hf_as_norm_launches(tiny_models, arch):
     hf.to("cpu")
     print(f"{arch}: max |logprob - HF fp32|, norm launches {err[False]:.4f}, carried {err[True]:.4f}")
     assert err[True] <= 2 * err[False] + 0.02, err
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_engines_on_two_gpus_in_one_process(tiny_models):
+    """An engine on cuda:1 after one on cuda:0 in the same process (test harnesses, notebooks)
+    captures its graphs on its own GPU: torch's default capture stream, made once on the device
+    current at the first capture, once moved every launch of the second engine to cuda:0 (Triton
+    refused its cuda:1 tensors)."""
+    path = tiny_models["llama"][0]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = [LLM(path, device=f"cuda:{i}", compile_ahead=False, dtype="float32", block_size=16,
+                kv_cache_memory_bytes=KV_BYTES).generate(PROMPTS, params) for i in (0, 1)]
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
