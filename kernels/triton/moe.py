@@ -111,6 +111,7 @@ def _grouped_gemm_kernel(
     ROUTE: tl.constexpr, E_PAD: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
     EARLY_EXPERT: tl.constexpr, NORM_IN: tl.constexpr, S_PAD: tl.constexpr,
     NORM_OUT: tl.constexpr, W_SCALE: tl.constexpr, FAST_CVT: tl.constexpr, PDL: tl.constexpr,
+    PRE_W: tl.constexpr = False,
 ):
     """out[rows] = a[rows] @ w[e].T for the BLOCK_M rows of one expert block.
 
@@ -132,6 +133,8 @@ def _grouped_gemm_kernel(
     streaming sooner.
     EARLY_EXPERT (PAIRS, second GEMM after a ROUTE one): the pair's expert is ranked from the
     router logits (two launches back, complete) before the wait, not read from the first GEMM.
+    PRE_W (EARLY_EXPERT, not GATED): that expert's first weight tile and its scales are loaded
+    before the wait too, their HBM latency under the first GEMM.
     NORM_IN (first GEMM): a rows are s * norm weight from a NORM_OUT GEMM (kernels/triton/linear.py)
     and ss_in_ptr [rows, in_strips] its partial sums of squares of s: the accumulators are scaled
     by the row's rsqrt(mean(s^2) + eps) before the activation, which makes the rows rms_norm(s).
@@ -142,9 +145,19 @@ def _grouped_gemm_kernel(
     pid = tl.program_id(0)
     block = pid // num_n_tiles
     pid_n = pid % num_n_tiles
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    rk = tl.arange(0, BLOCK_K)
     if EARLY_EXPERT:
         early_expert, _ = _rank_pair(logits_ptr, stride_l, block, num_experts, block % TOP_K + 1,
                                      TOP_K, K_PAD, E_PAD, SOFTMAX, False)
+        if PRE_W:
+            e0 = tl.minimum(tl.maximum(early_expert, 0), num_experts - 1).to(tl.int64)  # (a skipped pair: unused)
+            k0_mask = (rk < K) | EVEN_K
+            w0 = tl.load(w_ptr + e0 * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None],
+                         mask=n_mask[None, :] & k0_mask[:, None], other=0.0)
+            s0 = w_scales(ws_ptr + e0 * stride_wse + (rn // rows_per_scale).to(tl.int64) * stride_wsn, 0, K,
+                          k_per_scale, n_mask, W_SCALE)
     wait_previous(PDL)
     if ROUTE:
         expert, weight = _rank_pair(logits_ptr, stride_l, block, num_experts,
@@ -178,9 +191,6 @@ def _grouped_gemm_kernel(
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM_IN:
         rstd = pending_rstd(ss_in_ptr, a_row, row_mask, in_strips, K, eps, S_PAD)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = rn < N
-    rk = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_row[:, None] * stride_am + rk[None, :]
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
     ws_row = ws_ptr + expert.to(tl.int64) * stride_wse
@@ -192,7 +202,16 @@ def _grouped_gemm_kernel(
     s_up = s
     if GATED:
         s_up = w_scales(ws_up_ptrs, 0, K, k_per_scale, n_mask, W_SCALE)
-    for k0 in range(0, K, BLOCK_K):
+    k_first = 0
+    if PRE_W:  # the first K tile, its weights loaded before the wait
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & ((rk < K) | EVEN_K)[None, :], other=0.0)
+        s_next = w_scales(ws_ptrs, BLOCK_K, K, k_per_scale, n_mask, W_SCALE)
+        acc = dot_w(acc, a, w0, s0, W_SCALE, FAST_CVT)
+        s = s_next
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        k_first = BLOCK_K
+    for k0 in range(k_first, K, BLOCK_K):
         k_mask = (rk < K - k0) | EVEN_K  # folds away when K is a multiple of BLOCK_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = n_mask[None, :] & k_mask[:, None]
@@ -397,7 +416,8 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
         SCATTER_OUT=True, GATED=False, PAIRS=pairs, NORM_IN=False, S_PAD=1, NORM_OUT=norm_out is not None,
         W_SCALE=kind, FAST_CVT=fast,
         EVEN_K=inter % meta2["BLOCK_K"] == 0, FUSED_SUM=fused_sum, K_PAD=k_pad,
-        EARLY_EXPERT=router is not None,
+        # PRE_W: Qwen3-30B-A3B FP8 decode b=1 on an H200, 2.597-2.615 -> 2.579 ms (benchmarks/RESULTS.md)
+        EARLY_EXPERT=router is not None, PRE_W=router is not None and cfg.get("PRE_W", True),
         **dict(route, ROUTE=False), **meta2, **launch_args(x, pdl),
     )
     if not fused_sum:
