@@ -100,6 +100,10 @@ class IpcTransport:
         with torch.cuda.device(remote.device), torch.cuda.stream(stream):
             stream.wait_stream(self.local_stream)
             dst[:, self._index(remote_blocks, remote.device)] = data.to(remote.device, non_blocking=True)
+        # data's memory goes back to the local stream's pool when this returns, while the peer's
+        # stream may still be reading it: the local stream's next work (which may reuse it) waits
+        with torch.cuda.device(self.kv_cache.device):
+            self.local_stream.wait_stream(stream)
 
     def flush(self, peer: str) -> None:
         self.remote_streams[peer].synchronize()
