@@ -27,6 +27,20 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     rank: int
 
 
+class RequestTimes(msgspec.Struct, omit_defaults=True, array_like=True):
+    """Where a finished request's time went inside the engine, seconds (vLLM's request_*_time
+    metrics; None: the phase never began). queue: from schedulable (arrival, or its remote KV
+    landed) to first scheduled; prefill: first scheduled to the first token this engine sampled;
+    decode: that token to the last; inference: first scheduled to the last token; kv_transfer_wait: a PD
+    decode's wait for its prompt KV (WAITING_FOR_REMOTE_KVS)."""
+
+    queue: float | None = None
+    prefill: float | None = None
+    decode: float | None = None
+    inference: float | None = None
+    kv_transfer_wait: float | None = None
+
+
 class RequestOutput(msgspec.Struct, omit_defaults=True):
     """What one request produced in one engine step (a delta, not the whole text so far)."""
 
@@ -42,6 +56,7 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None
     error: str | None = None
+    times: RequestTimes | None = None  # with the finishing output
 
 
 class SchedulerStats(msgspec.Struct):

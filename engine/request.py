@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from tandem.engine.protocol import TokenLogprobs
+from tandem.engine.protocol import RequestTimes, TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
 
 
@@ -70,6 +70,13 @@ class Request:
         self.first_token_logprobs: TokenLogprobs | None = None  # PD: the prefill hands them to the decode
         self.skipped_draws = 0  # PD decode: draws the prefill took from the generator (see sampler)
         self.grammar = None  # xgrammar GrammarMatcher when the output is constrained (set by EngineCore)
+        # engine clock (time.monotonic) at each phase's start, for RequestTimes (see times())
+        self.queued_at = time.monotonic()
+        self.scheduled_at: float | None = None
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.kv_wait_at: float | None = None
+        self.kv_wait: float | None = None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator(device=device)
@@ -78,6 +85,23 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def wait_for_kv(self) -> None:
+        """Its prompt KV starts arriving (WAITING_FOR_REMOTE_KVS)."""
+        self.kv_wait_at = time.monotonic()
+
+    def kv_done(self) -> None:
+        """Its prompt KV landed (or failed): schedulable from now."""
+        self.queued_at = time.monotonic()
+        self.kv_wait = self.queued_at - self.kv_wait_at
+
+    def times(self) -> RequestTimes:
+        def span(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else b - a
+        return RequestTimes(
+            queue=span(self.queued_at, self.scheduled_at), prefill=span(self.scheduled_at, self.first_token_at),
+            decode=span(self.first_token_at, self.last_token_at), inference=span(self.scheduled_at, self.last_token_at),
+            kv_transfer_wait=self.kv_wait if self.kv_wait is not None else span(self.kv_wait_at, time.monotonic()))
 
     @property
     def num_tokens(self) -> int:

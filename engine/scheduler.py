@@ -9,6 +9,7 @@ instance?), once per step (which transfers finished?), and on finish (hold the
 blocks until a transfer completes?).
 """
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -188,6 +189,7 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and self.connector.recompute_on_failure:
                 logger.warning("%s: %s; computing the prompt locally", rid, error)
+                req.kv_done()
                 self.blocks.free_blocks(req.block_ids)
                 req.block_ids, req.num_computed_tokens = [], 0
                 req.kv_transfer_params = None
@@ -197,6 +199,7 @@ class Scheduler:
         for req in list(self.waiting):
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req.request_id in landed:
                 stamp(logger, "decode", "core.kv_landed", req.request_id)
+                req.kv_done()
                 req.num_computed_tokens = req.remote_computed_tokens
                 self.blocks.cache_full_blocks(req)
                 req.status = RequestStatus.WAITING
@@ -281,6 +284,7 @@ class Scheduler:
             req.num_cached_tokens = len(cached) * self.blocks.block_size
             req.remote_computed_tokens = num_local + num_remote
             req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            req.wait_for_kv()
             self.num_remote_prefills_total += 1
             self.connector.on_blocks_allocated(req, num_remote)
             stamp(logger, "decode", "core.wait_kv", req.request_id)
@@ -297,6 +301,8 @@ class Scheduler:
             req.num_cached_tokens = len(cached) * self.blocks.block_size
             stamp(logger, _side(req), "core.scheduled", req.request_id)
         req.status = RequestStatus.RUNNING
+        if req.scheduled_at is None:  # (a preempted request keeps its first)
+            req.scheduled_at = time.monotonic()
         self.running.append(req)
         out.scheduled.append((req, n))
         return True
@@ -319,6 +325,9 @@ class Scheduler:
                 continue
             send_prompt_logprobs = req.num_output_tokens == 0 and req.prompt_logprobs is not None
             req.all_token_ids.append(tok.token_id)
+            req.last_token_at = time.monotonic()
+            if req.first_token_at is None:
+                req.first_token_at = req.last_token_at
             if req.num_output_tokens == 1:
                 req.first_token_logprobs = tok.logprobs  # (a PD prefill hands it to the decode)
                 stamp(logger, _side(req), "core.first_token", req.request_id)
@@ -359,7 +368,7 @@ class Scheduler:
             prompt_logprobs=prompt_logprobs, finished=req.status.finished,
             finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
-            kv_transfer_params=kv_params, error=req.error)
+            kv_transfer_params=kv_params, error=req.error, times=req.times() if req.status.finished else None)
 
     def stats(self) -> SchedulerStats:
         remote = sum(1 for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS)

@@ -238,6 +238,8 @@ async def run_choices(ctx: ServingContext, requests: list[EngineRequest],
             async for out in stream:
                 choice = choices[out.request_id]
                 now = time.time()
+                if out.times is not None:
+                    metrics.observe_times(out.times)
                 delta = choice.apply(out)
                 if out.new_token_ids:
                     if choice.first_token_time is None:

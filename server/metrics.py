@@ -1,7 +1,7 @@
 """Prometheus metrics of the API process (latencies per request, engine gauges from SchedulerStats)."""
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tandem.engine.protocol import SchedulerStats
+from tandem.engine.protocol import RequestTimes, SchedulerStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -29,6 +29,18 @@ class ServerMetrics:
                                          registry=r).labels(model_name)
         self._finished = Counter("tandem:request_success", "Engine requests finished, by finish reason",
                                  labels + ["finished_reason"], registry=r)
+        # where finished requests' time went inside the engine (vLLM's request_*_time_seconds)
+        self._phases = {
+            phase: Histogram(f"tandem:request_{phase}_time_seconds", doc, labels, buckets=_LATENCY_BUCKETS,
+                             registry=r).labels(model_name)
+            for phase, doc in [
+                ("queue", "Time from schedulable (arrival, or the prompt KV landed) to first scheduled"),
+                ("prefill", "Time from first scheduled to the first token the engine sampled"),
+                ("decode", "Time from the first token the engine sampled to the last"),
+                ("inference", "Time from first scheduled to the last token"),
+                ("kv_transfer_wait", "PD decode: time waiting for the prompt KV from the prefill instance"),
+            ]
+        }
         self._model_name = model_name
         # Kernels compiled while serving: each one stalled a request (kernels/compile_watch.py).
         self.kernel_compilations = Counter("tandem:kernel_compilations_after_ready",
@@ -59,6 +71,13 @@ class ServerMetrics:
         self.generation_tokens.inc(num_output_tokens)
         if first_token is not None and num_output_tokens > 1:
             self.tpot.observe((end - first_token) / (num_output_tokens - 1))
+
+    def observe_times(self, times: RequestTimes) -> None:
+        """A finished request's engine phases (RequestOutput.times), each that began."""
+        for phase in RequestTimes.__struct_fields__:
+            value = getattr(times, phase)
+            if value is not None:
+                self._phases[phase].observe(value)
 
     def observe_aborted(self, num_prompt_tokens: int, num_output_tokens: int) -> None:
         """A request abandoned by its client (disconnect) or failed by an error."""

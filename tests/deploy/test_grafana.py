@@ -17,11 +17,12 @@ REQUIRED = {
     "tandem:inter_token_latency_seconds_bucket", "tandem:num_requests_running", "tandem:num_requests_waiting",
     "tandem:kv_cache_usage_perc", "tandem:num_requests_waiting_for_remote_kvs", "tandem:num_remote_prefills",
     "tandem_router_requests_total", "tandem_router_instances", "tandem_router_prefill_seconds_bucket",
+    "tandem:request_kv_transfer_wait_time_seconds_bucket",
 }
 
 
 def exported_samples() -> set[str]:
-    from tandem.engine.protocol import SchedulerStats
+    from tandem.engine.protocol import RequestTimes, SchedulerStats
     from tandem.router.metrics import RouterMetrics
     from tandem.server.metrics import ServerMetrics
 
@@ -31,6 +32,7 @@ def exported_samples() -> set[str]:
     server.ttft.observe(0.1)
     server.itl.observe(0.01)
     server.set_engine_stats(SchedulerStats(num_running=1))
+    server.observe_times(RequestTimes(queue=0.01, prefill=0.1, decode=0.5, inference=0.6, kv_transfer_wait=0.02))
     router = RouterMetrics()
     router.requests.labels("/v1/completions", "pd").inc()
     router.failures.labels("/v1/completions", "503").inc()

@@ -182,6 +182,10 @@ def test_disagg_matches_collocated(pair, expected, mode):
         assert generate(router.url, prompts) == expected_texts
         # Every decode request but the ones whose prompt is a single block got its KV remotely.
         assert metric(decode.url, "num_remote_prefills") - remote_prefills >= len(prompts) - 1
+        # ... and its wait for that KV is in the decode's phase metrics (the prefill never waits)
+        assert metric(decode.url, "request_kv_transfer_wait_time_seconds_count") >= len(prompts) - 1
+        assert metric(prefill.url, "request_kv_transfer_wait_time_seconds_count") == 0
+        assert metric(prefill.url, "request_prefill_time_seconds_count") >= len(prompts)
         wait_all_blocks_free([prefill.url, decode.url])
     finally:
         router.stop()

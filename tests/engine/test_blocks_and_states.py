@@ -157,6 +157,7 @@ def test_waiting_for_remote_kvs(tiny_models, fail):
     core.add_request(EngineRequest("remote", prompt, params, kv_transfer_params={"remote_block_ids": src_blocks}))
     core.add_request(EngineRequest("local", [5, 6, 7], params))
     seen_states, outs = [], {"remote": [], "local": []}
+    started = time.monotonic()
     while core.has_unfinished_requests():
         req = core.scheduler.requests.get("remote")
         if req is not None:
@@ -173,6 +174,18 @@ def test_waiting_for_remote_kvs(tiny_models, fail):
         assert [t for o in outs["remote"] for t in o.new_token_ids] == expected
         assert final.num_prompt_tokens == len(prompt)
     assert core.blocks.num_free_blocks == core.blocks.num_blocks
+    # engine phase times (the tandem:request_*_time_seconds metrics) come with each final output only
+    wall = time.monotonic() - started
+    assert all(o.times is None for o in outs["remote"][:-1] + outs["local"][:-1])
+    local, remote = outs["local"][-1].times, final.times
+    assert local.kv_transfer_wait is None and 0 < local.prefill <= local.inference
+    assert local.inference == pytest.approx(local.prefill + local.decode) and local.queue + local.inference < wall
+    assert 0 < remote.kv_transfer_wait < wall  # three polls, each a step of the local request
+    if fail:  # ended while waiting: it never ran
+        assert remote.queue is remote.prefill is remote.decode is None
+    else:  # ran after its KV landed; the first token it sampled is its second output
+        assert remote.inference == pytest.approx(remote.prefill + remote.decode)
+        assert remote.kv_transfer_wait + remote.queue + remote.inference < wall
     hold.sent.add("p")
     prefill.engine.step()
     assert prefill.engine.blocks.num_free_blocks == prefill.engine.blocks.num_blocks

@@ -306,6 +306,11 @@ def test_metrics_exposes_latency_histograms_and_counters(http, client):
                  "tandem:kv_cache_usage_perc", 'finished_reason="length"']:
         assert name in text, name
     assert metric(http, "tandem:generation_tokens_total") > 0
+    # the engine's phases of each finished request (vLLM's request_*_time_seconds); no PD here
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert metric(http, f"tandem:request_{phase}_time_seconds_count") >= 1, phase
+    assert metric(http, "tandem:request_inference_time_seconds_sum") > 0
+    assert metric(http, "tandem:request_kv_transfer_wait_time_seconds_count") == 0
 
 
 def test_concurrent_requests_under_preemption_all_complete(server, http):
