@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.goodput.topology import Topology
 from tandem.server.disagg_ports import block_size, free_port_block
@@ -174,6 +175,24 @@ class Deployment:
             self._register_collocated(registry)
         self._wait_routable(deadline)
         return self.router.url
+
+    def phase_totals(self) -> dict[str, dict[str, tuple[float, float]]]:
+        """Each instance's engine phase histograms (tandem:request_*_time_seconds) as they stand:
+        {instance name: {phase: (sum seconds, count)}}."""
+        out = {}
+        for p in self.instances:
+            text = httpx.get(f"{p.url}/metrics", timeout=10.0).text
+            totals: dict[str, list[float]] = {}
+            for family in text_string_to_metric_families(text):
+                phase = family.name.removeprefix("tandem:request_").removesuffix("_time_seconds")
+                if family.type != "histogram" or not family.name.startswith("tandem:request_"):
+                    continue
+                for sample in family.samples:
+                    if sample.name.endswith(("_sum", "_count")):
+                        pair = totals.setdefault(phase, [0.0, 0.0])
+                        pair[sample.name.endswith("_count")] += sample.value
+            out[p.name] = {phase: (total, count) for phase, (total, count) in totals.items()}
+        return out
 
     def _wait_healthy(self, p: Process, deadline: float) -> None:
         while True:

@@ -59,6 +59,11 @@ def main() -> None:
                   f"{100 * m['ttft']:.0f}%, TPOT over {100 * m['tpot']:.0f}%, a gap over {100 * m['itl']:.0f}%; "
                   f"first gap p50 {m['first_gap_p50_ms'] or 0:.0f} ms, largest later gap p50 "
                   f"{m['max_later_gap_p50_ms'] or 0:.0f} ms")
+            phases = missed.get("engine_phases_ms", {})  # (reports since 2026-11-28's eleventh session)
+            if phases:
+                print(f"{'':<28} engine phases there, mean ms: " + "; ".join(
+                    f"{role} " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(ph.items()))
+                    for role, ph in sorted(phases.items())))
     if not args.no_plot:
         from benchmarks.goodput.plots import attainment_plot
         attainment_plot(report, args.out / "attainment.png")

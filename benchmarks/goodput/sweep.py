@@ -57,6 +57,23 @@ def point_row(rate: float, result: BenchmarkResult, slo: SLO, result_file: str, 
             **{k: s.get(k) for k in keys}, "result_file": result_file, "bisection": bisection}
 
 
+def engine_phases_ms(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """Mean engine phase (ms) of the requests finished between two Deployment.phase_totals
+    snapshots, by role (instance names less their index: collocated, prefill, decode); phases no
+    request reached are left out. On a PD decode, kv_transfer_wait + queue + prefill (its first step)
+    is the engine's part of a request's first inter-token gap."""
+    sums: dict[str, dict[str, list[float]]] = {}
+    for name, phases in after.items():
+        role = name.rstrip("0123456789")
+        for phase, (total, count) in phases.items():
+            total0, count0 = before.get(name, {}).get(phase, (0.0, 0.0))
+            acc = sums.setdefault(role, {}).setdefault(phase, [0.0, 0.0])
+            acc[0] += total - total0
+            acc[1] += count - count0
+    return {role: {phase: 1000 * total / count for phase, (total, count) in phases.items() if count > 0}
+            for role, phases in sums.items()}
+
+
 def prompts_at(num_prompts: int, rate: float, duration_s: float) -> int:
     """Requests to send at `rate`: num_prompts, or more so that arrivals span duration_s (a short
     burst at a high rate ends before queues build, and overstates what the rate sustains)."""
@@ -75,28 +92,33 @@ def run_topology(topology: Topology, workload: BenchmarkConfig, sweep: SweepConf
     rows: dict[float, dict] = {}
     bar = tqdm(total=len(set(sweep.rates)) + sweep.bisect_steps, desc=topology.name, unit="rate", position=0)
     with contextlib.ExitStack() as shared:
-        shared_url = None
+        shared_url = shared_tree = None
         if not sweep.fresh_server_per_rate:
             bar.set_postfix_str("starting")
-            shared_url = shared.enter_context(Deployment(topology, launch, topo_dir / "logs"))
+            shared_tree = Deployment(topology, launch, topo_dir / "logs")
+            shared_url = shared.enter_context(shared_tree)
             if sweep.warmup_prompts:
                 asyncio.run(_warm_up(workload, shared_url, sweep.warmup_prompts))
 
         def measure(rate: float) -> float:
             with contextlib.ExitStack() as fresh:
-                url = shared_url
+                url, tree = shared_url, shared_tree
                 if url is None:
                     bar.set_postfix_str(f"starting for rate {rate:g}")
-                    url = fresh.enter_context(Deployment(topology, launch, topo_dir / "logs" / f"rate-{rate:g}"))
+                    tree = Deployment(topology, launch, topo_dir / "logs" / f"rate-{rate:g}")
+                    url = fresh.enter_context(tree)
                     if sweep.warmup_prompts:
                         asyncio.run(_warm_up(workload, url, sweep.warmup_prompts))
                 bar.set_postfix_str(f"rate {rate:g}")
                 config = dataclasses.replace(workload, base_url=url, request_rate=rate,
                                              num_prompts=prompts_at(workload.num_prompts, rate, sweep.duration_s),
                                              slos_ms=sweep.slo.metrics(sweep.definition))
+                before = tree.phase_totals()
                 result = asyncio.run(run_benchmark(config))
+                phases = engine_phases_ms(before, tree.phase_totals())
             path = save_result(result, topo_dir, f"rate-{rate:g}.json")
             row = point_row(rate, result, sweep.slo, str(path.relative_to(out_dir)), bisection=rate not in sweep.rates)
+            row["engine_phases_ms"] = phases
             rows[rate] = row
             bar.update(1)
             bar.set_postfix_str(f"rate {rate:g}: attainment {100 * row['attainment']:.1f}% "

@@ -186,3 +186,16 @@ def test_misses_say_why_requests_miss():
     assert m["failed"] == m["ttft"] == m["tpot"] == m["itl"] == 0.25
     assert m["first_gap_p50_ms"] == pytest.approx(20) and m["max_later_gap_p50_ms"] == pytest.approx(20)
     assert misses([], slo)["first_gap_p50_ms"] is None
+
+
+def test_engine_phases_are_means_of_the_requests_between_snapshots():
+    """Per role, (sum after - sum before) / (count after - count before), in ms; phases no request
+    reached in between are left out; instances of one role pool their requests."""
+    from benchmarks.goodput.sweep import engine_phases_ms
+    before = {"decode0": {"queue": (1.0, 10), "kv_transfer_wait": (2.0, 10)}, "prefill0": {"prefill": (5.0, 10)}}
+    after = {"decode0": {"queue": (1.3, 13), "kv_transfer_wait": (2.0, 10)}, "decode1": {"queue": (0.1, 1)},
+             "prefill0": {"prefill": (5.6, 12)}}
+    got = engine_phases_ms(before, after)
+    assert got.keys() == {"decode", "prefill"} and got["decode"].keys() == {"queue"}
+    assert got["decode"]["queue"] == pytest.approx(1000 * 0.4 / 4)
+    assert got["prefill"]["prefill"] == pytest.approx(300.0)

@@ -61,6 +61,9 @@ class FakeDeployment:
     def __exit__(self, *exc) -> None:
         pass
 
+    def phase_totals(self) -> dict:
+        return {}  # the fake server runs no engine
+
 
 def test_fresh_server_per_rate_and_bisection(fake_server, monkeypatch, tmp_path):  # noqa: F811
     FakeDeployment.starts, FakeDeployment.url = [], f"{fake_server}/ok"
@@ -110,6 +113,13 @@ def test_cpu_miniature_collocated_vs_1p1d(tmp_path):
         assert {1.0, 2.0} <= {p["rate"] for p in topo["points"]} and len(topo["points"]) <= 3
         for p in topo["points"]:
             assert p["completed"] == 4 and p["failed"] == 0
+            # the engines' phases over the rate's requests (the instances' /metrics, before and after)
+            phases = p["engine_phases_ms"]
+            if topo["name"] == "colloc1":
+                assert set(phases) == {"collocated"} and {"queue", "prefill", "decode"} <= set(phases["collocated"])
+            else:
+                assert set(phases) == {"prefill", "decode"} and "kv_transfer_wait" in phases["decode"]
+                assert "kv_transfer_wait" not in phases["prefill"] and phases["prefill"]["prefill"] > 0
     logs = {p.name for p in (tmp_path / "pd1p1d-write-tcp" / "logs").iterdir()}
     assert logs == {"router.log", "prefill0.log", "decode0.log"}
     for log in (tmp_path / "colloc1" / "logs" / "collocated0.log", tmp_path / "pd1p1d-write-tcp" / "logs" /
