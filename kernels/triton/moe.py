@@ -416,8 +416,9 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
         SCATTER_OUT=True, GATED=False, PAIRS=pairs, NORM_IN=False, S_PAD=1, NORM_OUT=norm_out is not None,
         W_SCALE=kind, FAST_CVT=fast,
         EVEN_K=inter % meta2["BLOCK_K"] == 0, FUSED_SUM=fused_sum, K_PAD=k_pad,
-        # PRE_W: Qwen3-30B-A3B FP8 decode b=1 on an H200, 2.597-2.615 -> 2.579 ms (benchmarks/RESULTS.md)
-        EARLY_EXPERT=router is not None, PRE_W=router is not None and cfg.get("PRE_W", True),
+        # PRE_W, fp8 weights (W8A16): Qwen3-30B-A3B FP8 decode b=1 on an H200, 2.597-2.615 -> 2.579 ms;
+        # bf16 weights keep their tile behind the wait (3.610 -> 3.636 ms on an H100; benchmarks/RESULTS.md)
+        EARLY_EXPERT=router is not None, PRE_W=router is not None and kind > 0 and cfg.get("PRE_W", True),
         **dict(route, ROUTE=False), **meta2, **launch_args(x, pdl),
     )
     if not fused_sum:
