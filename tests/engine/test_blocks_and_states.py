@@ -154,10 +154,10 @@ def test_waiting_for_remote_kvs(tiny_models, fail):
     conn = CopyConnector(prefill, decode, delay=3, first_token=first.new_token_ids[0], fail=fail)
     decode.engine.set_connector(conn)
     core = decode.engine
+    started = time.monotonic()
     core.add_request(EngineRequest("remote", prompt, params, kv_transfer_params={"remote_block_ids": src_blocks}))
     core.add_request(EngineRequest("local", [5, 6, 7], params))
     seen_states, outs = [], {"remote": [], "local": []}
-    started = time.monotonic()
     while core.has_unfinished_requests():
         req = core.scheduler.requests.get("remote")
         if req is not None:
