@@ -63,6 +63,10 @@ class TandemConnector:
         self.transfer_timeout_s = float(extra.get("transfer_timeout_s", 30.0))
         self.hold_timeout_s = float(extra.get("hold_timeout_s", 60.0))
         self.recompute_on_failure = bool(extra.get("recompute_on_failure", False))
+        first_token = extra.get("first_token", "step")
+        if first_token not in ("step", "arrival"):
+            raise ValueError(f"kv_connector_extra_config first_token must be 'step' or 'arrival', got {first_token!r}")
+        self.first_token_at_step = first_token == "step"
         self.engine_id = extra.get("engine_id") or uuid.uuid4().hex[:12]
         self.agent = KVAgent(f"kv-control-{self.engine_id}", extra.get("kv_host", "127.0.0.1"),
                              int(extra.get("handshake_port", 0)), self.transfer_timeout_s, self._on_message)

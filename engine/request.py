@@ -68,6 +68,7 @@ class Request:
         self.remote_computed_tokens = 0  # PD decode side: tokens whose KV arrives remotely
         self.kv_transfer_params_out: dict | None = None  # PD: returned to the client when finished
         self.first_token_logprobs: TokenLogprobs | None = None  # PD: the prefill hands them to the decode
+        self.held_first_output = None  # PD decode: the prefill's first token, out with the first step
         self.skipped_draws = 0  # PD decode: draws the prefill took from the generator (see sampler)
         self.grammar = None  # xgrammar GrammarMatcher when the output is constrained (set by EngineCore)
         # engine clock (time.monotonic) at each phase's start, for RequestTimes (see times())

@@ -32,6 +32,9 @@ class SchedulerConnector(Protocol):
     """A KV connector as the engine sees it (see connectors/)."""
 
     recompute_on_failure: bool  # a failed receive falls back to computing the prompt locally
+    # a remote prefill's first token goes to the client with the request's first step here (True), or
+    # as soon as it arrives (False: earlier, but the gap to the next token then holds the KV's wait too)
+    first_token_at_step: bool
 
     def num_remote_tokens(self, req: Request, num_local_computed: int) -> int:
         """Prompt tokens past num_local_computed whose KV will arrive from a remote instance."""
@@ -171,7 +174,11 @@ class Scheduler:
                 continue
             if status is not None:
                 self._finish(req, status)
-            self.pending_outputs.append(self._output(req, [token_id], [lp] if lp else None, req.kv_transfer_params_out))
+            output = self._output(req, [token_id], [lp] if lp else None, req.kv_transfer_params_out)
+            if status is None and self.connector.first_token_at_step:
+                req.held_first_output = output  # out with the step that computes the next token (_admit)
+            else:
+                self.pending_outputs.append(output)
 
     def poll_connector(self) -> None:
         """PD: take forwarded first tokens, free blocks whose send is confirmed, end failed
@@ -303,6 +310,9 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         if req.scheduled_at is None:  # (a preempted request keeps its first)
             req.scheduled_at = time.monotonic()
+        if req.held_first_output is not None:  # a PD decode's first token: out before this step runs
+            self.pending_outputs.append(req.held_first_output)
+            req.held_first_output = None
         self.running.append(req)
         out.scheduled.append((req, n))
         return True

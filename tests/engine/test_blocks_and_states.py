@@ -53,6 +53,7 @@ def test_abort_at_any_point_frees_everything(tiny_models):
 
 class FakeConnector:
     recompute_on_failure = False
+    first_token_at_step = False
 
     def ready(self, req):
         return True
@@ -189,6 +190,40 @@ def test_waiting_for_remote_kvs(tiny_models, fail):
     hold.sent.add("p")
     prefill.engine.step()
     assert prefill.engine.blocks.num_free_blocks == prefill.engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("at_step", [False, True])
+def test_forwarded_first_token_out_on_arrival_or_with_the_first_step(tiny_models, at_step):
+    """A PD decode's first output (the prefill's token) goes out when it arrives, or (first_token
+    'step', the connector's default) with the step that computes the next token: then the client's
+    first gap is one step, not the KV's wait plus a step, and the tokens are the same."""
+    path = tiny_models["llama"][0]
+    prompt = list(range(40, 63))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = LLM(path, block_size=4).generate([prompt], params)[0].token_ids
+    prefill = LLM(path, block_size=4)
+    prefill.engine.set_connector(HoldConnector())
+    prefill.engine.add_request(EngineRequest("p", prompt, SamplingParams(max_tokens=1, temperature=0)))
+    first = next(o for _ in range(3) for o in prefill.engine.step())
+    decode = LLM(path, block_size=4, enable_prefix_caching=False)
+    conn = CopyConnector(prefill, decode, delay=4, first_token=first.new_token_ids[0])
+    conn.first_token_at_step = at_step
+    core = decode.engine
+    core.set_connector(conn)
+    core.add_request(EngineRequest("remote", prompt, params,
+                                   kv_transfer_params={"remote_block_ids": first.kv_transfer_params["remote_block_ids"]}))
+    calls = []  # per engine call: (the remote's tokens out, its state after the call)
+    while core.has_unfinished_requests():
+        out = [t for o in core.step() if o.request_id == "remote" for t in o.new_token_ids]
+        req = core.scheduler.requests.get("remote")
+        calls.append((out, req.status if req else None))
+    assert [t for out, _ in calls for t in out] == expected
+    first_out = next(i for i, (out, _) in enumerate(calls) if out)
+    second_out = next(i for i, (out, _) in enumerate(calls) if i > first_out and out)
+    if at_step:  # out once its KV landed, one call before the next token (async scheduling)
+        assert calls[first_out][1] == RequestStatus.RUNNING and second_out == first_out + 1
+    else:  # out at once, while its KV is still arriving (four polls)
+        assert first_out == 0 and calls[0][1] == RequestStatus.WAITING_FOR_REMOTE_KVS and second_out > 3
 
 
 def test_remote_kv_requests_never_deadlock_the_decode(tiny_models):

@@ -93,6 +93,7 @@ class _ForwardingConnector:
     """Decode-side stand-in: hands the scheduler one prefill-sampled first token per request."""
 
     recompute_on_failure = False
+    first_token_at_step = False
 
     def __init__(self, first_tokens: dict[str, int]):
         self.first_tokens = first_tokens
