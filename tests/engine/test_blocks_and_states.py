@@ -136,6 +136,17 @@ class HoldConnector(FakeConnector):
         return True, {"remote_block_ids": list(req.block_ids)}
 
 
+def _prefilled(path: str, prompt: list[int], params: SamplingParams):
+    """(a collocated engine's tokens for prompt, the reference; a prefill engine holding the prompt's KV;
+    its first output, max_tokens 1, whose kv_transfer_params name the held blocks)."""
+    expected = LLM(path, block_size=4).generate([prompt], params)[0].token_ids
+    prefill = LLM(path, block_size=4)
+    prefill.engine.set_connector(HoldConnector())
+    prefill.engine.add_request(EngineRequest("p", prompt, SamplingParams(max_tokens=1, temperature=0)))
+    first = next(o for _ in range(3) for o in prefill.engine.step())  # async: one call later
+    return expected, prefill, first
+
+
 @pytest.mark.parametrize("fail", [False, True])
 def test_waiting_for_remote_kvs(tiny_models, fail):
     path = tiny_models["llama"][0]
@@ -200,11 +211,7 @@ def test_forwarded_first_token_out_on_arrival_or_with_the_first_step(tiny_models
     path = tiny_models["llama"][0]
     prompt = list(range(40, 63))
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    expected = LLM(path, block_size=4).generate([prompt], params)[0].token_ids
-    prefill = LLM(path, block_size=4)
-    prefill.engine.set_connector(HoldConnector())
-    prefill.engine.add_request(EngineRequest("p", prompt, SamplingParams(max_tokens=1, temperature=0)))
-    first = next(o for _ in range(3) for o in prefill.engine.step())
+    expected, prefill, first = _prefilled(path, prompt, params)
     decode = LLM(path, block_size=4, enable_prefix_caching=False)
     conn = CopyConnector(prefill, decode, delay=4, first_token=first.new_token_ids[0])
     conn.first_token_at_step = at_step
@@ -234,11 +241,7 @@ def test_remote_kv_requests_never_deadlock_the_decode(tiny_models):
     path = tiny_models["llama"][0]
     prompt = list(range(40, 64))  # 24 tokens = 6 blocks of 4
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    expected = LLM(path, block_size=4).generate([prompt], params)[0].token_ids
-    prefill = LLM(path, block_size=4)
-    prefill.engine.set_connector(HoldConnector())
-    prefill.engine.add_request(EngineRequest("p", prompt, SamplingParams(max_tokens=1, temperature=0)))
-    first = next(o for _ in range(3) for o in prefill.engine.step())
+    expected, prefill, first = _prefilled(path, prompt, params)
     decode = LLM(path, block_size=4, enable_prefix_caching=False, num_gpu_blocks_override=18, max_num_seqs=4)
     core = decode.engine
     core.set_connector(CopyConnector(prefill, decode, delay=2, first_token=first.new_token_ids[0]))
