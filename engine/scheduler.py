@@ -175,7 +175,7 @@ class Scheduler:
             if status is not None:
                 self._finish(req, status)
             output = self._output(req, [token_id], [lp] if lp else None, req.kv_transfer_params_out)
-            if status is None and self.connector.first_token_at_step:
+            if status is None and self.connector.first_token_at_step and req.status != RequestStatus.RUNNING:
                 req.held_first_output = output  # out with the step that computes the next token (_admit)
             else:
                 self.pending_outputs.append(output)
