@@ -147,6 +147,7 @@ def test_decode_launches_ahead_while_kv_arrives(tiny_models):
     assert core.blocks.allocate(remote, len(PROMPTS[3]) + 1)
     remote.remote_computed_tokens = len(PROMPTS[3])
     remote.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+    remote.wait_for_kv()
     core.scheduler.requests["remote"] = remote
     core.scheduler.waiting.append(remote)
     before = counts["ahead"]
