@@ -198,15 +198,18 @@ def _grouped_gemm_kernel(
     ws_up_ptrs = ws_row + ((rn + N) // rows_per_scale).to(tl.int64) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    s = w_scales(ws_ptrs, 0, K, k_per_scale, n_mask, W_SCALE)
+    if PRE_W:
+        s = s0
+    else:
+        s = w_scales(ws_ptrs, 0, K, k_per_scale, n_mask, W_SCALE)
     s_up = s
     if GATED:
         s_up = w_scales(ws_up_ptrs, 0, K, k_per_scale, n_mask, W_SCALE)
     k_first = 0
     if PRE_W:  # the first K tile, its weights loaded before the wait
-        a = tl.load(a_ptrs, mask=row_mask[:, None] & ((rk < K) | EVEN_K)[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k0_mask[None, :], other=0.0)
         s_next = w_scales(ws_ptrs, BLOCK_K, K, k_per_scale, n_mask, W_SCALE)
-        acc = dot_w(acc, a, w0, s0, W_SCALE, FAST_CVT)
+        acc = dot_w(acc, a, w0, s, W_SCALE, FAST_CVT)
         s = s_next
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
