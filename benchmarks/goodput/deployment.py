@@ -182,16 +182,15 @@ class Deployment:
         out = {}
         for p in self.instances:
             text = httpx.get(f"{p.url}/metrics", timeout=10.0).text
-            totals: dict[str, list[float]] = {}
+            phases = {}
             for family in text_string_to_metric_families(text):
-                phase = family.name.removeprefix("tandem:request_").removesuffix("_time_seconds")
                 if family.type != "histogram" or not family.name.startswith("tandem:request_"):
                     continue
-                for sample in family.samples:
-                    if sample.name.endswith(("_sum", "_count")):
-                        pair = totals.setdefault(phase, [0.0, 0.0])
-                        pair[sample.name.endswith("_count")] += sample.value
-            out[p.name] = {phase: (total, count) for phase, (total, count) in totals.items()}
+                value = {sample.name.removeprefix(family.name): sample.value for sample in family.samples
+                         if sample.name in (family.name + "_sum", family.name + "_count")}
+                phase = family.name.removeprefix("tandem:request_").removesuffix("_time_seconds")
+                phases[phase] = (value["_sum"], value["_count"])
+            out[p.name] = phases
         return out
 
     def _wait_healthy(self, p: Process, deadline: float) -> None:
