@@ -444,6 +444,13 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
         # each tile's loads and e4m3 conversion. Decode b=1 graph replay on an H200, chosen in the step
         # (benchmarks/plan_tune.py, 2026-11-28): Qwen3-30B-A3B 2783 -> 2583 us, Llama-3-8B 2888 -> 2825
         narrow["num_warps"] = 8
+        if num_kv_heads <= 4:
+            # few KV heads: with 128-key tiles only heads x (context / 128) programs have keys (32 of
+            # Qwen3-30B-A3B's at 1k); 64-key tiles double them, and KV_AHEAD issues each tile's loads
+            # before the block-table reads of the next. Roofline on an H200 (2026-11-28, A/B in turns):
+            # 30B-A3B b=1 2.583 / 2.587 -> 2.516 / 2.521 ms; Llama-3-8B (8 KV heads) 2.808 / 2.812 ->
+            # 2.922 / 2.923 with the same plan, so it keeps 128-key tiles.
+            narrow.update(BLOCK_N=64, KV_AHEAD=True)
     if kv_bytes == 1 and splits == 1 and q.is_cuda and torch.version.cuda is not None:
         # a full grid over an fp8 cache: the 128-key tiles take 254 registers a thread (2 programs an
         # SM); 64-key tiles capped at 128 registers run 4, and 4 programs' loads in flight beat 2
