@@ -475,6 +475,33 @@ def test_paged_attention_fp8_kv_gpu(q_len, int_convert):
     assert _rel(out, ref) < 2e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("int_convert", [True, False])
+def test_paged_attention_fp8_kv_decode_batch_gpu(int_convert):
+    """A full decode batch over an fp8 cache (64 sequences, Llama-3-8B heads): the grid is large enough
+    that the launch has no split-K (the b=64 roofline's plan, which the single-sequence cases above
+    never take), against the reference on the same cache."""
+    from tandem.kernels.attention import paged_attention_ref
+    from tandem.kernels.triton.attention import _launch_plans, paged_attention_triton
+    dtype = _gpu_fp8()
+    torch.manual_seed(0)
+    seqs, page, hk, hq, d = 64, 16, 8, 32, 128
+    ctx = torch.randint(1, 400, (seqs,), device="cuda", dtype=torch.int32)
+    pages = int((ctx.max().item() + page - 1) // page)
+    blocks = seqs * pages
+    k_cache = torch.randn(blocks, page, hk, d, device="cuda").to(dtype)
+    v_cache = torch.randn(blocks, page, hk, d, device="cuda").to(dtype)
+    q = torch.randn(seqs, hq, d, device="cuda", dtype=torch.bfloat16)
+    table = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(seqs, pages)
+    qsl = torch.arange(seqs + 1, device="cuda", dtype=torch.int32)
+    max_ctx = int(ctx.max().item())
+    plans = _launch_plans(q, hq // hk, seqs, hk, 1, max_ctx, kv_bytes=1)
+    assert len(plans) == 1 and plans[0]["NUM_SPLITS"] == 1, plans
+    out = paged_attention_triton(q, k_cache, v_cache, table, ctx, qsl, d ** -0.5, 1, max_ctx, int_convert=int_convert)
+    ref = paged_attention_ref(q, k_cache, v_cache, table, ctx, qsl, d ** -0.5)
+    assert _rel(out, ref) < 2e-2
+
+
 
 if __name__ == "__main__":
     _interpreter_main()
