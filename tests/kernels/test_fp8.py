@@ -452,26 +452,33 @@ def test_fp8_w8a16_experts_gpu(case):
     run_w8a16_moe_case(case, "cuda", _gpu_fp8())
 
 
+def _fp8_kv_attention(ctx: list[int], q_len: int, hk: int, hq: int, int_convert: bool):
+    """(Triton, reference) attention of q_len new tokens a sequence over an fp8 cache of contexts ctx
+    (16-token pages in a shuffled table, head dim 128), both reading the same cache contents."""
+    from tandem.kernels.attention import paged_attention_ref
+    from tandem.kernels.triton.attention import paged_attention_triton
+    dtype = _gpu_fp8()
+    torch.manual_seed(0)
+    page, d, seqs, max_ctx = 16, 128, len(ctx), max(ctx)
+    pages = -(-max_ctx // page)
+    k_cache = torch.randn(seqs * pages, page, hk, d, device="cuda").to(dtype)
+    v_cache = torch.randn(seqs * pages, page, hk, d, device="cuda").to(dtype)
+    q = torch.randn(seqs * q_len, hq, d, device="cuda", dtype=torch.bfloat16)
+    table = torch.randperm(seqs * pages, device="cuda", dtype=torch.int32).view(seqs, pages)
+    seq_lens = torch.tensor(ctx, device="cuda", dtype=torch.int32)
+    qsl = torch.arange(seqs + 1, device="cuda", dtype=torch.int32) * q_len
+    out = paged_attention_triton(q, k_cache, v_cache, table, seq_lens, qsl, d ** -0.5, q_len, max_ctx,
+                                 int_convert=int_convert)
+    return out, paged_attention_ref(q, k_cache, v_cache, table, seq_lens, qsl, d ** -0.5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("int_convert", [True, False])
 @pytest.mark.parametrize("q_len", [1, 37])
 def test_paged_attention_fp8_kv_gpu(q_len, int_convert):
     """The Triton attention reads an fp8 cache like the reference does (same cache contents), with
     the e4m3 -> bf16 conversion by integer ops (kernels/triton/e4m3.py) or by cvt."""
-    from tandem.kernels.attention import paged_attention_ref
-    from tandem.kernels.triton.attention import paged_attention_triton
-    dtype = _gpu_fp8()
-    torch.manual_seed(0)
-    blocks, page, hk, hq, d, ctx = 16, 16, 2, 8, 128, 150
-    k_cache = torch.randn(blocks, page, hk, d, device="cuda").to(dtype)
-    v_cache = torch.randn(blocks, page, hk, d, device="cuda").to(dtype)
-    q = torch.randn(q_len, hq, d, device="cuda", dtype=torch.bfloat16)
-    table = torch.randperm(blocks, device="cuda", dtype=torch.int32)[None, :]
-    seq_lens = torch.tensor([ctx], device="cuda", dtype=torch.int32)
-    qsl = torch.tensor([0, q_len], device="cuda", dtype=torch.int32)
-    out = paged_attention_triton(q, k_cache, v_cache, table, seq_lens, qsl, d ** -0.5, q_len, ctx,
-                                 int_convert=int_convert)
-    ref = paged_attention_ref(q, k_cache, v_cache, table, seq_lens, qsl, d ** -0.5)
+    out, ref = _fp8_kv_attention([150], q_len, hk=2, hq=8, int_convert=int_convert)
     assert _rel(out, ref) < 2e-2
 
 
@@ -481,24 +488,13 @@ def test_paged_attention_fp8_kv_decode_batch_gpu(int_convert):
     """A full decode batch over an fp8 cache (64 sequences, Llama-3-8B heads): the grid is large enough
     that the launch has no split-K (the b=64 roofline's plan, which the single-sequence cases above
     never take), against the reference on the same cache."""
-    from tandem.kernels.attention import paged_attention_ref
-    from tandem.kernels.triton.attention import _launch_plans, paged_attention_triton
-    dtype = _gpu_fp8()
-    torch.manual_seed(0)
-    seqs, page, hk, hq, d = 64, 16, 8, 32, 128
-    ctx = torch.randint(1, 400, (seqs,), device="cuda", dtype=torch.int32)
-    pages = int((ctx.max().item() + page - 1) // page)
-    blocks = seqs * pages
-    k_cache = torch.randn(blocks, page, hk, d, device="cuda").to(dtype)
-    v_cache = torch.randn(blocks, page, hk, d, device="cuda").to(dtype)
-    q = torch.randn(seqs, hq, d, device="cuda", dtype=torch.bfloat16)
-    table = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(seqs, pages)
-    qsl = torch.arange(seqs + 1, device="cuda", dtype=torch.int32)
-    max_ctx = int(ctx.max().item())
-    plans = _launch_plans(q, hq // hk, seqs, hk, 1, max_ctx, kv_bytes=1)
+    from tandem.kernels.triton.attention import _launch_plans
+    seqs, hk, hq = 64, 8, 32
+    ctx = torch.randint(1, 400, (seqs,), generator=torch.Generator().manual_seed(1)).tolist()
+    q = torch.empty(seqs, hq, 128, device="cuda", dtype=torch.bfloat16)  # (the plan reads its shape only)
+    plans = _launch_plans(q, hq // hk, seqs, hk, 1, max(ctx), kv_bytes=1)
     assert len(plans) == 1 and plans[0]["NUM_SPLITS"] == 1, plans
-    out = paged_attention_triton(q, k_cache, v_cache, table, ctx, qsl, d ** -0.5, 1, max_ctx, int_convert=int_convert)
-    ref = paged_attention_ref(q, k_cache, v_cache, table, ctx, qsl, d ** -0.5)
+    out, ref = _fp8_kv_attention(ctx, 1, hk, hq, int_convert)
     assert _rel(out, ref) < 2e-2
 
 
