@@ -21,11 +21,7 @@ def fast_cvt(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.dtype == torch.float8_e4m3fn)
 
 
-@triton.jit
-def e4m3_to_bf16_scaled(w):
-    """An e4m3 tile as bf16 holding w / E4M3_BF16_UNIT (module docstring)."""
-    return tl.inline_asm_elementwise(
-        asm="""{
+_ASM = tl.constexpr("""{
         .reg .b32 z, a, b, t;
         mov.b32 z, 0;
         prmt.b32 a, $2, z, 0x1404;
@@ -36,5 +32,22 @@ def e4m3_to_bf16_scaled(w):
         and.b32 t, b, 0x7F007F00;
         shr.b32 t, t, 4;
         lop3.b32 $1, b, 0x80008000, t, 0xea;
-        }""",
-        constraints="=r,=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
+        }""")
+
+
+@triton.jit
+def e4m3_to_bf16_scaled(w, PINNED: tl.constexpr = False):
+    """An e4m3 tile as bf16 holding w / E4M3_BF16_UNIT (module docstring).
+
+    PINNED: marked impure, so that Triton's layout pass cannot move the conversion behind a later
+    conversion of its result to a dot operand's layout, and it stays in the layout w was loaded in.
+    For an attention V tile (keys, the dot's reduction dim, are rows) the moved form reads the fp8
+    bytes from shared memory one by one (LDS.U8 in sm_90 SASS); pinned, the tile is converted from
+    16-byte reads and reaches the dot as bf16 through ldmatrix.trans."""
+    if PINNED:
+        out = tl.inline_asm_elementwise(asm=_ASM, constraints="=r,=r,r", args=[w.to(tl.uint8, bitcast=True)],
+                                        dtype=tl.bfloat16, is_pure=False, pack=4)
+    else:
+        out = tl.inline_asm_elementwise(asm=_ASM, constraints="=r,=r,r", args=[w.to(tl.uint8, bitcast=True)],
+                                        dtype=tl.bfloat16, is_pure=True, pack=4)
+    return out

@@ -583,6 +583,26 @@ def test_fp8_cache_decode_attention_compiles_for_sm90(kv_ahead):
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
     assert ("cp.async" in ptx) != kv_ahead
     assert compiled.metadata.shared <= SMEM_LIMIT
+    if not kv_ahead:
+        # the V tile's e4m3 conversion stays in the load's layout (PIN_V): no byte-wide shared-memory
+        # reads, which the conversion moved behind the dot operand's layout compiled to (64 a warp a tile)
+        sass = _sass(compiled.asm["cubin"])
+        assert "LDSM.16.MT88" in sass  # V reaches the dot as bf16 through ldmatrix.trans
+        assert "LDS.U8" not in sass
+
+
+def _sass(cubin: bytes) -> str:
+    """The SASS of a compiled kernel, from the cuobjdump that ships with Triton's NVIDIA backend."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    tool = os.path.join(triton.__path__[0], "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-sass", f.name], check=True, capture_output=True, text=True).stdout
 
 
 @pytest.mark.parametrize("block_k", [128, None])
