@@ -333,20 +333,20 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    PIN_V = NUM_SPLITS == 1  # (_tile_update)
     if KV_AHEAD and not DENSE:
         acc, l_i, m_i = _attend_tiles_ahead(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
                                             kv_lo, full_hi, stride_kb, stride_ko, stride_vb, stride_vo,
-                                            qk_scale, PAGE, BLOCK_N, OFFS_32, BT_SCALAR, FAST_CVT,
-                                            NUM_SPLITS == 1)
+                                            qk_scale, PAGE, BLOCK_N, OFFS_32, BT_SCALAR, FAST_CVT, PIN_V)
     else:
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
                                       kv_lo, full_hi, stride_kb, stride_ko, stride_vb, stride_vo,
                                       qk_scale, False, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE, BT_SCALAR,
-                                      FAST_CVT, NUM_SPLITS == 1)
+                                      FAST_CVT, PIN_V)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
                                   full_hi, kv_hi, stride_kb, stride_ko, stride_vb, stride_vo,
                                   qk_scale, True, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE, BT_SCALAR,
-                                  FAST_CVT, NUM_SPLITS == 1)
+                                  FAST_CVT, PIN_V)
     if FAST_CVT:
         acc *= E4M3_BF16_UNIT
 

@@ -44,6 +44,7 @@ def e4m3_to_bf16_scaled(w, PINNED: tl.constexpr = False):
     For an attention V tile (keys, the dot's reduction dim, are rows) the moved form reads the fp8
     bytes from shared memory one by one (LDS.U8 in sm_90 SASS); pinned, the tile is converted from
     16-byte reads and reaches the dot as bf16 through ldmatrix.trans."""
+    # (two calls: `is_pure=not PINNED` does not compile, create_inline_asm wants a plain bool)
     if PINNED:
         out = tl.inline_asm_elementwise(asm=_ASM, constraints="=r,=r,r", args=[w.to(tl.uint8, bitcast=True)],
                                         dtype=tl.bfloat16, is_pure=False, pack=4)
