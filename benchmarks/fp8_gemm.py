@@ -182,6 +182,18 @@ def _cold_candidates(m: int, n: int, k: int, block_k) -> list[dict]:
     return out
 
 
+def _deep_candidates(m: int, n: int, k: int, block_k) -> list[dict]:
+    """Plans at 17-64 rows over the pipeline depth: the 64-row tiles keep too few weight bytes in flight
+    (ncu on an H200, 2026-11-29: the 8B o projection's 256 programs, ~2 an SM, each waiting on two 4 KB
+    weight tiles, read DRAM at 25%), so strip width x split x stages, 4 warps, two tiles before the wait."""
+    from tandem.kernels.triton.fp8_skinny import default_plan, row_bucket
+    base = dict(default_plan(row_bucket(m), n, k, block_k), num_warps=4, PRELOAD=2)
+    plans = [(bn, split, st) for bn in (32, 64) for split in (1, 2, 4) for st in (4, 6, 8, 10)]
+    plans += [(128, split, st) for split in (1, 2, 4) for st in (3, 4, 5)]
+    return [dict(base, BLOCK_N=bn, SPLIT_K=split, num_stages=st) for bn, split, st in plans
+            if k % (split * base["BLOCK_K"]) == 0 and k // split >= 2 * base["BLOCK_K"]]
+
+
 def _swap_candidates(m: int, n: int, k: int, block_k) -> list[dict]:
     """SWAP plans (the weight as the wgmma's M side): strip width x split x warps x K tile (per
     channel), plus the activation quantization in the GEMM at 16 rows."""
@@ -225,11 +237,11 @@ def _cold_operands(m: int, n: int, k: int, block) -> dict:
                 calls=min(copies, 16), nbytes=nbytes, bf16_us=bf16_us)
 
 
-def _cold_cases(rows_list, layouts):
-    """(m, n, k, layout, block, _cold_operands) for every row count, shape and layout; each case's
-    weight copies are freed before the next."""
+def _cold_cases(rows_list, layouts, shapes=None):
+    """(m, n, k, layout, block, _cold_operands) for every row count, shape (default: the 8B's and the
+    30B's) and layout; each case's weight copies are freed before the next."""
     for m in rows_list:
-        for n, k in SHAPES + SHAPES_30B:
+        for n, k in shapes or SHAPES + SHAPES_30B:
             for layout in layouts:
                 block = (128, 128) if layout == "block" else None
                 yield m, n, k, layout, block, _cold_operands(m, n, k, block)
@@ -246,14 +258,16 @@ def _quant_variants(rule: dict) -> list[dict]:
 
 
 def cold_sweep_rows(rows_list=(1,), layouts=("block",), torch_only: bool = False,
-                    quant_only: bool = False, swap: bool = False) -> list[dict]:
+                    quant_only: bool = False, swap: bool = False, deep: bool = False,
+                    shapes=None) -> list[dict]:
     """Decode-tile plans timed as a decode step runs them: back to back inside a CUDA graph over
     weight copies that do not fit in L2 (do_bench on one weight reads it from L2). Each row's
     ceiling is the copy bandwidth measured now: of_floor = (weight + scale bytes) / time / bandwidth.
     Also, on the same shape: the bf16 skinny GEMM (twice the bytes), torch's FP8 GEMM (the one
     prefill rows take, its quantization launch included: the issue's 1.2x bar), and the plan the
     kernels pick (PLANS or the rule). torch_only: that plan and torch's GEMM only; quant_only:
-    that plan and _quant_variants of it; swap: that plan and _swap_candidates."""
+    that plan and _quant_variants of it; swap: that plan and _swap_candidates; deep: that plan and
+    _deep_candidates. shapes: [(N, K)] (default: the 8B's and the 30B's)."""
     from benchmarks.profile_decode import _in_graph_us
     from benchmarks.roofline import copy_bandwidth
     from tandem.kernels.fp8 import fp8_linear_ref
@@ -262,7 +276,7 @@ def cold_sweep_rows(rows_list=(1,), layouts=("block",), torch_only: bool = False
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + written)", flush=True)
     rows, best = [], []
-    for m, n, k, layout, block, op in _cold_cases(rows_list, layouts):
+    for m, n, k, layout, block, op in _cold_cases(rows_list, layouts, shapes):
         x, wq, ws, wqs, copies, calls, nbytes, bf16_us = (
             op[key] for key in ("x", "wq", "ws", "wqs", "copies", "calls", "nbytes", "bf16_us"))
         ref = fp8_linear_ref(x, wq, ws, block).float()
@@ -273,7 +287,7 @@ def cold_sweep_rows(rows_list=(1,), layouts=("block",), torch_only: bool = False
         timed, us_rule = _time_plans(
             f"{m}x{n}x{k}", rule,
             [] if torch_only else _quant_variants(rule) if quant_only else _swap_candidates(m, n, k, bk) if swap
-            else _cold_candidates(m, n, k, bk), ref,
+            else _deep_candidates(m, n, k, bk) if deep else _cold_candidates(m, n, k, bk), ref,
             lambda cand: fp8_linear_triton(x, wq, ws, block, cand),
             lambda cand: _in_graph_us(lambda i: fp8_linear_triton(x, wqs[i], ws, block, cand), copies, calls))
         rows += [dict(model="fp8-gemm-cold", what=f"{m}x{n}x{k} {layout}", us=us,
@@ -319,7 +333,7 @@ def w8a16_sweep_rows(rows_list=(1,), layouts=("block",)) -> list[dict]:
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + written)", flush=True)
     rows, best = [], []
-    for m, n, k, layout, block, op in _cold_cases(rows_list, layouts):
+    for m, n, k, layout, block, op in _cold_cases(rows_list, layouts, shapes):
         x, wq, ws, wqs, copies, calls, nbytes, bf16_us = (
             op[key] for key in ("x", "wq", "ws", "wqs", "copies", "calls", "nbytes", "bf16_us"))
         w8a8_us = _in_graph_us(lambda i: fp8_linear_triton(x, wqs[i], ws, block), copies, calls)
@@ -408,6 +422,9 @@ if __name__ == "__main__":
                     help="time only the plan the kernels pick and its variants quantizing in the GEMM")
     ap.add_argument("--swap", action="store_true",
                     help="sweep SWAP plans (the weight as the wgmma's M side); with --chain: their rule")
+    ap.add_argument("--deep", action="store_true",
+                    help="sweep the pipeline depth (num_stages) with strip width and split (_deep_candidates)")
+    ap.add_argument("--shapes", nargs="+", default=None, help="N,K pairs (default: the 8B's and the 30B's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.chain:
@@ -415,7 +432,9 @@ if __name__ == "__main__":
     elif args.w8a16:
         result = w8a16_sweep_rows(tuple(args.rows), tuple(args.layouts))
     else:
-        result = cold_sweep_rows(tuple(args.rows), tuple(args.layouts), args.vs_torch, args.quant_variants, args.swap)
+        shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else None
+        result = cold_sweep_rows(tuple(args.rows), tuple(args.layouts), args.vs_torch, args.quant_variants, args.swap,
+                                 args.deep, shapes)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
                                                   rows=result), indent=1))

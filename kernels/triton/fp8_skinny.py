@@ -62,9 +62,11 @@ def _w_tile(w_ptrs, n_mask, k_ok, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _tile_scales(xs_ptrs, ws_ptrs, kb, nkb, m_mask, n_mask, PER_CHANNEL: tl.constexpr, QUANT: tl.constexpr):
+def _tile_scales(xs_ptrs, ws_ptrs, kb, nkb, m_mask, n_mask, PER_CHANNEL: tl.constexpr, QUANT: tl.constexpr,
+                 W_SCALAR: tl.constexpr):
     """Block-scaled: K block kb's scales (kb clamped to the nkb blocks of K), the rows' [BM] (ones
-    with QUANT, which makes its own) and the columns' [BN]; per-channel: unused ones. The K loop
+    with QUANT, which makes its own) and the columns' [BN], or with W_SCALAR the strip's one (ws_ptrs
+    a scalar: the strip lies inside one weight block of rows); per-channel: unused ones. The K loop
     loads them a tile ahead of their _tile_dot: Triton's pipeliner leaves a scale load inside the
     loop synchronous, and each tile then waited for it (an L2 or HBM round trip) before the next
     tile's loads were issued."""
@@ -74,16 +76,21 @@ def _tile_scales(xs_ptrs, ws_ptrs, kb, nkb, m_mask, n_mask, PER_CHANNEL: tl.cons
     s = m_mask.to(tl.float32)
     if not QUANT:
         s = tl.load(xs_ptrs + kb, mask=m_mask, other=0.0)
-    return s, tl.load(ws_ptrs + kb, mask=n_mask, other=0.0)
+    if W_SCALAR:
+        w_s = tl.load(ws_ptrs + kb)
+    else:
+        w_s = tl.load(ws_ptrs + kb, mask=n_mask, other=0.0)
+    return s, w_s
 
 
 @triton.jit
 def _tile_dot(acc, xt, w, a_s, s, w_s, fp8_max, q_ty: tl.constexpr,
-              PER_CHANNEL: tl.constexpr, QUANT: tl.constexpr, SWAP: tl.constexpr):
+              PER_CHANNEL: tl.constexpr, QUANT: tl.constexpr, SWAP: tl.constexpr, W_SCALAR: tl.constexpr):
     """acc plus one K tile: x tile xt [BM, BK] (bf16/fp16 with QUANT, else fp8), w tile [BK, BN]
     fp8; per-channel: a_s [BM] the rows' scales (applied by the caller at the end); block: the
-    tile's K block scales s [BM] (the rows', unless QUANT makes them) and w_s [BN] (_tile_scales)
-    on the product. SWAP: w [BN, BK] and acc [BN, BM] (acc.T += w @ xt.T)."""
+    tile's K block scales s [BM] (the rows', unless QUANT makes them) and w_s [BN], or the strip's
+    one with W_SCALAR (_tile_scales), on the product. SWAP: w [BN, BK] and acc [BN, BM]
+    (acc.T += w @ xt.T)."""
     if PER_CHANNEL:
         if QUANT:
             xt = tl.minimum(tl.maximum(xt.to(tl.float32) / a_s[:, None], -fp8_max), fp8_max).to(q_ty)
@@ -94,7 +101,12 @@ def _tile_dot(acc, xt, w, a_s, s, w_s, fp8_max, q_ty: tl.constexpr,
     else:
         if QUANT:
             xt, s = _quant_tile(xt.to(tl.float32), fp8_max, q_ty)
-        if SWAP:
+        if W_SCALAR:  # one multiply-add an element, by the rows' scales times the strip's
+            if SWAP:
+                acc += tl.dot(w, tl.trans(xt)) * (s * w_s)[None, :]
+            else:
+                acc += tl.dot(xt, w) * (s * w_s)[:, None]
+        elif SWAP:
             acc += tl.dot(w, tl.trans(xt)) * w_s[:, None] * s[None, :]
         else:
             acc += tl.dot(xt, w) * s[:, None] * w_s[None, :]
@@ -109,7 +121,7 @@ def _fp8_skinny_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, PER_CHANNEL: tl.constexpr, QUANT: tl.constexpr, NORM_OUT: tl.constexpr,
     NORM_IN: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr = 1,
-    SWAP: tl.constexpr = False,
+    SWAP: tl.constexpr = False, W_SCALAR: tl.constexpr = False,
 ):
     """out [M, N] = quant(x) @ w.T with the scales (module docstring). x [M, K] (bf16/fp16 with
     QUANT, else fp8 with xs [M, G]); w [N, K] fp8 with ws [N / rows_per_scale, Kb] (block) or [N];
@@ -121,7 +133,9 @@ def _fp8_skinny_kernel(
     PRELOAD (1 or 2): weight tiles loaded before the PDL wait, while the kernel ahead runs.
     SWAP: each tile computes out.T = w @ x.T, the weight tile as the MMA's M side (BLOCK_N >= 64):
     at 16-32 rows that is Hopper's fp8 wgmma (m64 n16-32), where x's rows as M take mma.sync,
-    which has no fp8 form on sm_90 and converts both operands to f16 on the conversion units."""
+    which has no fp8 form on sm_90 and converts both operands to f16 on the conversion units.
+    W_SCALAR (block-scaled, BLOCK_N dividing the weight's row block): the strip's columns share one
+    weight scale a K block, loaded once as a scalar instead of once per column a thread holds."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     q_ty = w_ptr.dtype.element_ty
@@ -139,7 +153,10 @@ def _fp8_skinny_kernel(
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
     else:
         w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
-    ws_ptrs = ws_ptr + (rn // rows_per_scale).to(tl.int64) * stride_wsn
+    if W_SCALAR:
+        ws_ptrs = ws_ptr + ((pid_n * BLOCK_N) // rows_per_scale).to(tl.int64) * stride_wsn
+    else:
+        ws_ptrs = ws_ptr + (rn // rows_per_scale).to(tl.int64) * stride_wsn
     xs_ptrs = xs_ptr + rm.to(tl.int64) * stride_xsm
     # the first weight tiles do not depend on the kernel ahead (PDL)
     w0 = _w_tile(w_ptrs, n_mask, _k_mask(rk, k_hi - k_lo, False), SWAP)
@@ -173,16 +190,18 @@ def _fp8_skinny_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    x_s, w_s = _tile_scales(xs_ptrs, ws_ptrs, kb, nkb, m_mask, n_mask, PER_CHANNEL, QUANT)
-    x_s_next, w_s_next = _tile_scales(xs_ptrs, ws_ptrs, kb + 1, nkb, m_mask, n_mask, PER_CHANNEL, QUANT)
-    acc = _tile_dot(acc, xt, w0, a_s, x_s, w_s, fp8_max, q_ty, PER_CHANNEL, QUANT, SWAP)
+    x_s, w_s = _tile_scales(xs_ptrs, ws_ptrs, kb, nkb, m_mask, n_mask, PER_CHANNEL, QUANT, W_SCALAR)
+    x_s_next, w_s_next = _tile_scales(xs_ptrs, ws_ptrs, kb + 1, nkb, m_mask, n_mask, PER_CHANNEL, QUANT,
+                                      W_SCALAR)
+    acc = _tile_dot(acc, xt, w0, a_s, x_s, w_s, fp8_max, q_ty, PER_CHANNEL, QUANT, SWAP, W_SCALAR)
     x_s, w_s = x_s_next, w_s_next
     if PRELOAD >= 2:  # (past k_hi: zero tiles, the scale index clamped)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         xt = tl.load(x_ptrs, mask=m_mask[:, None] & _k_mask(rk, k_hi - k_lo - BLOCK_K, False)[None, :], other=0.0)
-        x_s_next, w_s_next = _tile_scales(xs_ptrs, ws_ptrs, kb + 2, nkb, m_mask, n_mask, PER_CHANNEL, QUANT)
-        acc = _tile_dot(acc, xt, w1, a_s, x_s, w_s, fp8_max, q_ty, PER_CHANNEL, QUANT, SWAP)
+        x_s_next, w_s_next = _tile_scales(xs_ptrs, ws_ptrs, kb + 2, nkb, m_mask, n_mask, PER_CHANNEL, QUANT,
+                                          W_SCALAR)
+        acc = _tile_dot(acc, xt, w1, a_s, x_s, w_s, fp8_max, q_ty, PER_CHANNEL, QUANT, SWAP, W_SCALAR)
         x_s, w_s = x_s_next, w_s_next
     for k0 in range(k_lo + PRELOAD * BLOCK_K, k_hi, BLOCK_K):
         x_ptrs += BLOCK_K
@@ -191,8 +210,8 @@ def _fp8_skinny_kernel(
         w = _w_tile(w_ptrs, n_mask, k_left, SWAP)
         xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_left[None, :], other=0.0)
         x_s_next, w_s_next = _tile_scales(xs_ptrs, ws_ptrs, k0 // BLOCK_K + 1, nkb, m_mask, n_mask, PER_CHANNEL,
-                                          QUANT)  # a tile ahead (_tile_scales)
-        acc = _tile_dot(acc, xt, w, a_s, x_s, w_s, fp8_max, q_ty, PER_CHANNEL, QUANT, SWAP)
+                                          QUANT, W_SCALAR)  # a tile ahead (_tile_scales)
+        acc = _tile_dot(acc, xt, w, a_s, x_s, w_s, fp8_max, q_ty, PER_CHANNEL, QUANT, SWAP, W_SCALAR)
         x_s, w_s = x_s_next, w_s_next
     if SWAP:
         acc = tl.trans(acc)
@@ -385,7 +404,8 @@ def _launch(x, w, w_scale, block, cfg, pdl, norm_out=None, norm_in=None):
         ss_in.shape[1] if norm_in is not None else 1, eps, residual.stride(0), sg.stride(0),
         BLOCK_M=bucket, SPLIT_K=split, EVEN_K=k % (split * cfg["BLOCK_K"]) == 0, PER_CHANNEL=block is None,
         QUANT=quant, NORM_OUT=norm_out is not None, NORM_IN=norm_in is not None,
-        S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in is not None else 1, **cfg, **launch_args(x, pdl))
+        S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in is not None else 1,
+        W_SCALAR=block is not None and block[0] % cfg["BLOCK_N"] == 0, **cfg, **launch_args(x, pdl))
     return out, sg, ss
 
 

@@ -553,6 +553,7 @@ def test_fp8_gemm_plans_compile_for_sm90():
             norm_out = rows == 16 and quant  # the GEMM ahead of a pending norm (NORM_OUT) at 16 rows
             consts = dict(BLOCK_M=rows, SPLIT_K=p.pop("SPLIT_K"), EVEN_K=True, PER_CHANNEL=block_k is None,
                           QUANT=quant, NORM_OUT=norm_out, NORM_IN=rows == 16 and not norm_out, S_PAD=256, PDL=True,
+                          W_SCALAR=block_k is not None and 128 % p["BLOCK_N"] == 0,  # as _launch sets it
                           **dict(dict(PRELOAD=1, SWAP=False), **p))
             compiled = _compile_sm90(_fp8_skinny_kernel, dict(ptrs, x_ptr="*bf16" if quant else "*fp8e4nv"), consts,
                                      warps, stages)
