@@ -32,7 +32,7 @@ import triton.language as tl
 
 from tandem.kernels.triton.device import MAX_TICKETS, num_sms, tickets
 from tandem.kernels.triton.linear import MAX_ROWS as NORM_ROWS
-from tandem.kernels.triton.linear import _write_out, pending_rstd
+from tandem.kernels.triton.linear import _write_out, pending_rstd, w8_scale_kind, w_scale_ptrs
 from tandem.kernels.triton.pdl import launch_args, wait_previous
 
 MAX_ROWS = 64
@@ -153,10 +153,7 @@ def _fp8_skinny_kernel(
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
     else:
         w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
-    if W_SCALAR:
-        ws_ptrs = ws_ptr + ((pid_n * BLOCK_N) // rows_per_scale).to(tl.int64) * stride_wsn
-    else:
-        ws_ptrs = ws_ptr + (rn // rows_per_scale).to(tl.int64) * stride_wsn
+    ws_ptrs = w_scale_ptrs(ws_ptr, rn, pid_n * BLOCK_N, rows_per_scale, stride_wsn, 3 if W_SCALAR else 2)
     xs_ptrs = xs_ptr + rm.to(tl.int64) * stride_xsm
     # the first weight tiles do not depend on the kernel ahead (PDL)
     w0 = _w_tile(w_ptrs, n_mask, _k_mask(rk, k_hi - k_lo, False), SWAP)
@@ -405,7 +402,7 @@ def _launch(x, w, w_scale, block, cfg, pdl, norm_out=None, norm_in=None):
         BLOCK_M=bucket, SPLIT_K=split, EVEN_K=k % (split * cfg["BLOCK_K"]) == 0, PER_CHANNEL=block is None,
         QUANT=quant, NORM_OUT=norm_out is not None, NORM_IN=norm_in is not None,
         S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in is not None else 1,
-        W_SCALAR=block is not None and block[0] % cfg["BLOCK_N"] == 0, **cfg, **launch_args(x, pdl))
+        W_SCALAR=w8_scale_kind(2 if block else 1, block, (cfg["BLOCK_N"], 0)) == 3, **cfg, **launch_args(x, pdl))
     return out, sg, ss
 
 

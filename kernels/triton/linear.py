@@ -19,7 +19,9 @@ redo it). Rounding differs from norm-then-GEMM by about one bf16 rounding of the
 FP8 weights (W8A16; kernels/fp8.py's layouts): the weight tiles are read as fp8 and converted to
 the activations' dtype for the dot, so a decode step reads half the bytes and quantizes nothing.
 W_SCALE 1 (per channel): the sum is scaled by the column's scale at the end; 2 (block): each K
-tile (BLOCK_K divides the K block) is scaled on the accumulator by its columns' block scales.
+tile (BLOCK_K divides the K block) is scaled on the accumulator by its columns' block scales; 3
+(block, the strip inside one row block of the scale grid): by the strip's one scale, loaded once
+as a scalar (w8_scale_kind).
 FAST_CVT (CUDA, bf16 activations, e4m3): the conversion is integer ops (kernels/triton/e4m3.py)
 instead of the cvt instructions, whose throughput kept the W8A16 GEMM below the HBM rate.
 """
@@ -49,28 +51,48 @@ def _x_tile(x_ptrs, k_left, m_mask, rk, EVEN: tl.constexpr):
 
 
 @triton.jit
+def w_scale_ptrs(ws_ptr, rn, row0, rows_per_scale, stride_wsn, W_SCALE: tl.constexpr):
+    """Where w_scales reads for the strip of weight rows rn starting at row0: the rows' rows of the
+    scale grid [BN], or with W_SCALE 3 the strip's one row (a scalar pointer)."""
+    if W_SCALE == 3:
+        ptrs = ws_ptr + (row0 // rows_per_scale).to(tl.int64) * stride_wsn
+    else:
+        ptrs = ws_ptr + (rn // rows_per_scale).to(tl.int64) * stride_wsn
+    return ptrs
+
+
+@triton.jit
 def w_scales(ws_ptrs, k0, K, k_per_scale, n_mask, W_SCALE: tl.constexpr):
     """The scales dot_w multiplies the weight tile at k0 by: with W_SCALE 2 those of its K block
     (k0 // k_per_scale, kept inside the grid for a split past K) at ws_ptrs [BN] (the columns' rows
-    of the scale grid); otherwise unused (ones). The K loops load them a tile ahead of their
-    dot_w: Triton's pipeliner leaves a scale load inside the loop synchronous, and each tile then
-    waited for it (an L2 or HBM round trip) before the next tile's loads were issued."""
-    if W_SCALE == 2:
-        kb = tl.minimum(k0, K - 1) // k_per_scale
-        return tl.load(ws_ptrs + kb, mask=n_mask, other=0.0)
-    return n_mask.to(tl.float32)
+    of the scale grid), with 3 the strip's one (ws_ptrs scalar, w_scale_ptrs); otherwise unused
+    (ones). The K loops load them a tile ahead of their dot_w: Triton's pipeliner leaves a scale
+    load inside the loop synchronous, and each tile then waited for it (an L2 or HBM round trip)
+    before the next tile's loads were issued."""
+    kb = tl.minimum(k0, K - 1) // k_per_scale
+    if W_SCALE == 3:
+        s = tl.load(ws_ptrs + kb)
+    elif W_SCALE == 2:
+        s = tl.load(ws_ptrs + kb, mask=n_mask, other=0.0)
+    else:
+        s = n_mask.to(tl.float32)
+    return s
 
 
 @triton.jit
 def dot_w(acc, a, w, s, W_SCALE: tl.constexpr, FAST_CVT: tl.constexpr = False):
     """acc + a @ w for a weight tile w [BK, BN] in a's dtype or fp8 (converted to a's dtype): with
-    W_SCALE 2 times its K block's scales s [BN] (w_scales); W_SCALE 0 / 1 unscaled (per-channel:
-    the caller scales the sum). FAST_CVT: w converted by e4m3_to_bf16_scaled, so acc is in units
-    of 1 / E4M3_BF16_UNIT (the caller scales it back)."""
+    W_SCALE 2 times its K block's scales s [BN] (w_scales), with 3 times the scalar s; W_SCALE 0 / 1
+    unscaled (per-channel: the caller scales the sum). FAST_CVT: w converted by e4m3_to_bf16_scaled,
+    so acc is in units of 1 / E4M3_BF16_UNIT (the caller scales it back)."""
     wa = e4m3_to_bf16_scaled(w) if FAST_CVT else w.to(a.dtype)
-    if W_SCALE == 2:
-        return acc + tl.dot(a, wa) * s[None, :]
-    return tl.dot(a, wa, acc)
+    if W_SCALE == 3:
+        out = acc + tl.dot(a, wa) * s
+    elif W_SCALE == 2:
+        out = acc + tl.dot(a, wa) * s[None, :]
+    else:
+        out = tl.dot(a, wa, acc)
+    return out
 
 
 @triton.jit
@@ -82,6 +104,15 @@ def scale_back(acc, ws_ptrs, n_mask, W_SCALE: tl.constexpr, FAST_CVT: tl.constex
     if W_SCALE == 1:
         acc *= tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
     return acc
+
+
+def w8_scale_kind(kind: int, block: tuple[int, int] | None, *strips: tuple[int, int]) -> int:
+    """W_SCALE for a kernel whose weight strips of (width, first row offset) all lie inside one row
+    block of the scale grid: 3 (one scalar scale a strip and K block) where kind is 2 (block) and
+    each strip width divides the block's rows and its offset, else kind."""
+    if kind == 2 and all(block[0] % bn == 0 and off % bn == 0 for bn, off in strips):
+        return 3
+    return kind
 
 
 def w8_scale_args(scale: torch.Tensor | None, block: tuple[int, int] | None,
@@ -161,7 +192,7 @@ def _skinny_gemm_kernel(
     k_hi = tl.minimum(K, k_lo + k_per)
     x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
-    ws_ptrs = ws_ptr + (rn // rows_per_scale).to(tl.int64) * stride_wsn
+    ws_ptrs = w_scale_ptrs(ws_ptr, rn, pid_n * BLOCK_N, rows_per_scale, stride_wsn, W_SCALE)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k = k_lo
     if PRELOAD:
@@ -326,6 +357,7 @@ def _launch(x, weight, cfg, pdl, norm_out=None, norm_in=None, w8=(None, None, Tr
         raise ValueError(f"skinny_linear: BLOCK_K {cfg['BLOCK_K']} must divide the weight's K block {block[1]}")
     split = cfg.pop("SPLIT_K")
     strips = triton.cdiv(n, cfg["BLOCK_N"])
+    w_scale_kind = w8_scale_kind(w_scale_kind, block, (cfg["BLOCK_N"], 0))
     sg = torch.empty_like(out) if norm_out is not None else out
     # every strip writes its column for all MAX_ROWS rows (zeros past M)
     ss = torch.empty(MAX_ROWS, strips, device=x.device, dtype=torch.float32) if norm_out is not None else out

@@ -17,7 +17,7 @@ import triton.language as tl
 from tandem.kernels.triton.device import MAX_TICKETS, tickets
 from tandem.kernels.triton.e4m3 import fast_cvt
 from tandem.kernels.triton.linear import (MAX_ROWS, dot_w, pend_norm, pending_rstd, scale_back, w8_scale_args,
-                                          w_scales)
+                                          w8_scale_kind, w_scale_ptrs, w_scales)
 from tandem.kernels.triton.moe_align import _align
 from tandem.kernels.triton.pdl import launch_args, wait_previous
 from tandem.kernels.triton.routing import check_routing, topk_of_rows, topk_routing_triton
@@ -116,7 +116,8 @@ def _grouped_gemm_kernel(
     """out[rows] = a[rows] @ w[e].T for the BLOCK_M rows of one expert block.
 
     W_SCALE (fp8 experts read into this bf16 kernel, W8A16; kernels/triton/linear.py dot_w): 1 per
-    channel, ws [E, N_w]; 2 block-scaled, ws [E, N_w / rows_per_scale, K / k_per_scale].
+    channel, ws [E, N_w]; 2 block-scaled, ws [E, N_w / rows_per_scale, K / k_per_scale]; 3 the same
+    with each strip (the up half's too) inside one row block: one scalar scale a K block.
     GATHER_A: a row is x[pair // TOP_K] (first GEMM) instead of the block's own row (second).
     GATED: w[e] is [2N, K] as [gate | up]; the program writes silu(a @ gate.T) * (a @ up.T).
     SCATTER_OUT: row goes to out[pair] scaled by topk_w[pair], else to the block's own row.
@@ -156,8 +157,8 @@ def _grouped_gemm_kernel(
             k0_mask = (rk < K) | EVEN_K
             w0 = tl.load(w_ptr + e0 * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None],
                          mask=n_mask[None, :] & k0_mask[:, None], other=0.0)
-            s0 = w_scales(ws_ptr + e0 * stride_wse + (rn // rows_per_scale).to(tl.int64) * stride_wsn, 0, K,
-                          k_per_scale, n_mask, W_SCALE)
+            s0 = w_scales(w_scale_ptrs(ws_ptr + e0 * stride_wse, rn, pid_n * BLOCK_N, rows_per_scale, stride_wsn,
+                                       W_SCALE), 0, K, k_per_scale, n_mask, W_SCALE)
     wait_previous(PDL)
     if ROUTE:
         expert, weight = _rank_pair(logits_ptr, stride_l, block, num_experts,
@@ -194,8 +195,8 @@ def _grouped_gemm_kernel(
     a_ptrs = a_ptr + a_row[:, None] * stride_am + rk[None, :]
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
     ws_row = ws_ptr + expert.to(tl.int64) * stride_wse
-    ws_ptrs = ws_row + (rn // rows_per_scale).to(tl.int64) * stride_wsn
-    ws_up_ptrs = ws_row + ((rn + N) // rows_per_scale).to(tl.int64) * stride_wsn
+    ws_ptrs = w_scale_ptrs(ws_row, rn, pid_n * BLOCK_N, rows_per_scale, stride_wsn, W_SCALE)
+    ws_up_ptrs = w_scale_ptrs(ws_row, rn + N, pid_n * BLOCK_N + N, rows_per_scale, stride_wsn, W_SCALE)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if PRE_W:
@@ -396,8 +397,8 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
         out, out, logits, logits.stride(0), ss_in, in_strips, eps, out, out, out, out, *ws13, GATHER_A=True,
         SCATTER_OUT=False, GATED=True, PAIRS=pairs, EVEN_K=hidden % meta1["BLOCK_K"] == 0, FUSED_SUM=False,
         K_PAD=k_pad, EARLY_EXPERT=False, NORM_IN=norm_in is not None, S_PAD=triton.next_power_of_2(in_strips),
-        NORM_OUT=False, W_SCALE=kind, FAST_CVT=fast,
-        **route, **meta1, **launch_args(x, pdl),
+        NORM_OUT=False, W_SCALE=w8_scale_kind(kind, block, (meta1["BLOCK_N"], 0), (meta1["BLOCK_N"], inter)),
+        FAST_CVT=fast, **route, **meta1, **launch_args(x, pdl),
     )
     pair_out = torch.empty(num_pairs, hidden, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(hidden, cfg["BLOCK_N2"])
@@ -417,7 +418,7 @@ def _fused_experts(x, w13, w2, topk_weights, topk_ids, cfg: dict | None = None, 
         hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), n_tiles, num_experts,
         out, tickets(x.device), logits, logits.stride(0), out, 1, 0.0, *norm_args, *ws2, GATHER_A=False,
         SCATTER_OUT=True, GATED=False, PAIRS=pairs, NORM_IN=False, S_PAD=1, NORM_OUT=norm_out is not None,
-        W_SCALE=kind, FAST_CVT=fast,
+        W_SCALE=w8_scale_kind(kind, block, (meta2["BLOCK_N"], 0)), FAST_CVT=fast,
         EVEN_K=inter % meta2["BLOCK_K"] == 0, FUSED_SUM=fused_sum, K_PAD=k_pad,
         # PRE_W, fp8 weights (W8A16): Qwen3-30B-A3B FP8 decode b=1 on an H200, 2.597-2.615 -> 2.579 ms;
         # bf16 weights keep their tile behind the wait (3.610 -> 3.636 ms on an H100; benchmarks/RESULTS.md)

@@ -611,7 +611,7 @@ def test_fp8_w8a16_plans_compile_for_sm90(block_k):
     """Without a GPU: every W8A16 plan of the Llama-3-8B and Qwen3-30B-A3B projections (fp8 weights
     in the bf16 skinny GEMM, with either pending-norm side) compiles for sm_90 to bf16 tensor-core
     instructions fed by e4m3 conversions, with pipelined (cp.async) weight loads."""
-    from tandem.kernels.triton.linear import _skinny_gemm_kernel, w8a16_plans
+    from tandem.kernels.triton.linear import _skinny_gemm_kernel, w8_scale_kind, w8a16_plans
     ptrs = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32",
                 res_ptr="*bf16", g_ptr="*bf16", sg_ptr="*bf16", ss_ptr="*fp32", ss_in_ptr="*fp32", eps="fp32",
                 ws_ptr="*fp32")
@@ -620,7 +620,8 @@ def test_fp8_w8a16_plans_compile_for_sm90(block_k):
             p = dict(plan)
             warps, stages = p.pop("num_warps"), p.pop("num_stages")
             consts = dict(BLOCK_M=16, SPLIT_K=p.pop("SPLIT_K"), EVEN_K=True, PRELOAD=p.pop("PRELOAD", True),
-                          NORM_OUT=norm_out, NORM_IN=not norm_out, S_PAD=256, W_SCALE=1 if block_k is None else 2,
+                          NORM_OUT=norm_out, NORM_IN=not norm_out, S_PAD=256,
+                          W_SCALE=w8_scale_kind(1 if block_k is None else 2, (128, 128), (p["BLOCK_N"], 0)),
                           PDL=True, **p)
             compiled = _compile_sm90(_skinny_gemm_kernel, ptrs, consts, warps, stages)
             ptx, what = compiled.asm["ptx"], (block_k, plan, norm_out)
