@@ -320,11 +320,12 @@ def _w8a16_candidates(k: int, block_k) -> list[dict]:
     return out
 
 
-def w8a16_sweep_rows(rows_list=(1,), layouts=("block",)) -> list[dict]:
+def w8a16_sweep_rows(rows_list=(1,), layouts=("block",), shapes=None) -> list[dict]:
     """The W8A16 decode path (fp8 weights read into the bf16 skinny GEMM, no activation
     quantization) on cold weights, as cold_sweep_rows times the W8A8 plans: its rule
     (w8a16_config) and every candidate, each checked against fp8_linear_w8a16_ref; beside them
-    the W8A8 plan the FP8 GEMM picks and the bf16 skinny GEMM (twice the bytes), in the same run."""
+    the W8A8 plan the FP8 GEMM picks and the bf16 skinny GEMM (twice the bytes), in the same run.
+    shapes: as cold_sweep_rows."""
     from benchmarks.profile_decode import _in_graph_us
     from benchmarks.roofline import copy_bandwidth
     from tandem.kernels.fp8 import fp8_linear_w8a16_ref
@@ -427,12 +428,12 @@ if __name__ == "__main__":
     ap.add_argument("--shapes", nargs="+", default=None, help="N,K pairs (default: the 8B's and the 30B's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else None
     if args.chain:
         result = chain_rows(tuple(args.rows), swap=args.swap)
     elif args.w8a16:
-        result = w8a16_sweep_rows(tuple(args.rows), tuple(args.layouts))
+        result = w8a16_sweep_rows(tuple(args.rows), tuple(args.layouts), shapes)
     else:
-        shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else None
         result = cold_sweep_rows(tuple(args.rows), tuple(args.layouts), args.vs_torch, args.quant_variants, args.swap,
                                  args.deep, shapes)
     if args.out:

@@ -234,6 +234,11 @@ def _fp8_skinny_kernel(
             tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
+def w_scalar(block: tuple[int, int] | None, block_n: int) -> bool:
+    """The kernel's W_SCALAR: block-scaled, every strip inside one row block of the scale grid."""
+    return block is not None and w8_scale_kind(2, block, (block_n, 0)) == 3
+
+
 def row_bucket(m: int) -> int:
     """BLOCK_M of the decode tile for m <= MAX_ROWS rows."""
     return next(b for b in ROW_BUCKETS if m <= b)
@@ -402,7 +407,7 @@ def _launch(x, w, w_scale, block, cfg, pdl, norm_out=None, norm_in=None):
         BLOCK_M=bucket, SPLIT_K=split, EVEN_K=k % (split * cfg["BLOCK_K"]) == 0, PER_CHANNEL=block is None,
         QUANT=quant, NORM_OUT=norm_out is not None, NORM_IN=norm_in is not None,
         S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in is not None else 1,
-        W_SCALAR=w8_scale_kind(2 if block else 1, block, (cfg["BLOCK_N"], 0)) == 3, **cfg, **launch_args(x, pdl))
+        W_SCALAR=w_scalar(block, cfg["BLOCK_N"]), **cfg, **launch_args(x, pdl))
     return out, sg, ss
 
 

@@ -541,7 +541,7 @@ def test_fp8_gemm_plans_compile_for_sm90():
     projections compiles for sm_90 to fp8 tensor-core instructions with pipelined (cp.async)
     loads, inside an H100's shared memory."""
     from tandem.kernels.triton.fp8 import _fp8_gemm_kernel
-    from tandem.kernels.triton.fp8_skinny import _fp8_skinny_kernel
+    from tandem.kernels.triton.fp8_skinny import _fp8_skinny_kernel, w_scalar
     ptrs = dict(xs_ptr="*fp32", as_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32",
                 ticket_ptr="*i32", a_ptr="*fp8e4nv", fp8_max="fp32", res_ptr="*bf16", g_ptr="*bf16", sg_ptr="*bf16",
                 ss_ptr="*fp32", ss_in_ptr="*fp32", eps="fp32")
@@ -553,7 +553,7 @@ def test_fp8_gemm_plans_compile_for_sm90():
             norm_out = rows == 16 and quant  # the GEMM ahead of a pending norm (NORM_OUT) at 16 rows
             consts = dict(BLOCK_M=rows, SPLIT_K=p.pop("SPLIT_K"), EVEN_K=True, PER_CHANNEL=block_k is None,
                           QUANT=quant, NORM_OUT=norm_out, NORM_IN=rows == 16 and not norm_out, S_PAD=256, PDL=True,
-                          W_SCALAR=block_k is not None and 128 % p["BLOCK_N"] == 0,  # as _launch sets it
+                          W_SCALAR=w_scalar((128, block_k) if block_k else None, p["BLOCK_N"]),  # as _launch
                           **dict(dict(PRELOAD=1, SWAP=False), **p))
             compiled = _compile_sm90(_fp8_skinny_kernel, dict(ptrs, x_ptr="*bf16" if quant else "*fp8e4nv"), consts,
                                      warps, stages)
