@@ -9,10 +9,12 @@ first variant's (same prompts): a variant that changes results shows up as a mis
 speed-up.
 
 A variant is "default" (the engine's KernelConfig), "none" (every field off), or the fields to turn
-off as flag names joined by "+", e.g. "no-pdl" or "no-fuse-norms+no-fuse-rope". Fields: pdl,
-skinny-gemm, fuse-norms, fuse-rope (python -m tandem.server --help says what each does).
+off as flag names joined by "+", e.g. "no-pdl" or "no-fuse-norms+no-fuse-rope". Fields: those of
+KernelConfig (python -m tandem.server --help says what each does).
 
   python -m benchmarks.ab_decode --models llama3-8b --variants default no-fuse-norms no-pdl
+  python -m benchmarks.ab_decode --models llama3-8b --fp8 block --kv-cache-dtype fp8 --batch 64 \
+      --variants default no-fuse-norms
 """
 import argparse
 import dataclasses
@@ -87,6 +89,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--variants", nargs="+", default=["default", "no-fuse-norms", "no-fuse-rope", "no-pdl"],
                     help="see the module docstring; the first is the reference for greedy agreement")
+    ap.add_argument("--fp8", choices=["none", "block", "channel"], default="none", help="as benchmarks.roofline's")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the engine's --kv-cache-dtype")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=64)
@@ -100,7 +104,8 @@ def main() -> None:
     rows = []
     for name in args.models:
         moe = "moe" in MODELS[name]["model_type"]
-        engines = {v: build(name, max_num_batched_tokens=4096, max_num_seqs=max(8, args.batch), max_model_len=8192,
+        engines = {v: build(name, args.fp8, kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=4096,
+                            max_num_seqs=max(8, args.batch), max_model_len=8192,
                             kv_cache_memory_bytes=kv_cache_bytes(name, args.batch, args.context, args.steps),
                             cuda_graph_sizes=(args.batch,), async_scheduling=True,
                             enable_prefix_caching=False,  # every run prefills alike, so greedy tokens compare
