@@ -104,7 +104,8 @@ def main() -> None:
     rows = []
     for name in args.models:
         moe = "moe" in MODELS[name]["model_type"]
-        engines = {v: build(name, args.fp8, kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=4096, max_num_seqs=max(8, args.batch), max_model_len=8192,
+        engines = {v: build(name, args.fp8, kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=4096,
+                            max_num_seqs=max(8, args.batch), max_model_len=8192,
                             kv_cache_memory_bytes=kv_cache_bytes(name, args.batch, args.context, args.steps),
                             cuda_graph_sizes=(args.batch,), async_scheduling=True,
                             enable_prefix_caching=False,  # every run prefills alike, so greedy tokens compare
