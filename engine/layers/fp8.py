@@ -257,14 +257,15 @@ def quantize_layers(model: nn.Module, scheme: Fp8Scheme) -> int:
 
 
 def link_quantized_inputs(model: nn.Module) -> int:
-    """Point each RMSNorm or activation whose output only an FP8 linear layer reads (a decoder layer's
-    norms ahead of qkv_proj and a dense gate_up_proj, the MLP's activation ahead of down_proj) at that
-    layer's quant_ahead, so it writes the rows quantized where the layer would quantize them in a
-    launch of its own (engine/layers/norm.py). Returns how many were linked."""
+    """Point each RMSNorm, attention or activation whose output only an FP8 linear layer reads (a decoder
+    layer's norms ahead of qkv_proj and a dense gate_up_proj, the attention ahead of o_proj, the MLP's
+    activation ahead of down_proj) at that layer's quant_ahead, so it writes the rows quantized where the
+    layer would quantize them in a launch of its own (engine/layers/norm.py). Returns how many were linked."""
     linked = 0
     for m in model.modules():
         attn, mlp = getattr(m, "self_attn", None), getattr(m, "mlp", None)
         for producer, consumer in ((getattr(m, "input_layernorm", None), getattr(attn, "qkv_proj", None)),
+                                   (getattr(m, "attn", None), getattr(m, "o_proj", None)),
                                    (getattr(m, "post_attention_layernorm", None), getattr(mlp, "gate_up_proj", None)),
                                    (getattr(m, "act_fn", None), getattr(m, "down_proj", None))):
             if isinstance(consumer, Fp8Linear) and hasattr(producer, "quant_spec"):

@@ -11,8 +11,8 @@ and runs the norm as usual), and the linear and MoE layers take a `PendingNorm` 
 
 Where the norms run on their own ahead of an FP8 GEMM that would quantize its input in a launch of
 its own (17-64 rows, KernelConfig.fuse_fp8_quant), the norm writes that input quantized instead
-(kernels.fp8.QuantRows): engine/layers/fp8.py links each such norm to the FP8 layer after it
-(`quant_spec`).
+(kernels.fp8.QuantRows), as the attention and the MLP activation do: engine/layers/fp8.py links
+each such producer to the FP8 layer after it (`quant_spec`).
 """
 from dataclasses import dataclass
 from typing import Callable

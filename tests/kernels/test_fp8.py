@@ -612,19 +612,21 @@ def test_fp8_gemm_plans_compile_for_sm90():
         assert compiled.metadata.shared <= SMEM_LIMIT, (what, compiled.metadata.shared)
 
 
-@pytest.mark.parametrize("kv_ahead", [False, True])
-def test_fp8_cache_decode_attention_compiles_for_sm90(kv_ahead):
+@pytest.mark.parametrize("kv_ahead,quant_out", [(False, False), (True, False), (False, True)])
+def test_fp8_cache_decode_attention_compiles_for_sm90(kv_ahead, quant_out):
     """Without a GPU: decode attention over an e4m3 cache (Llama-3-8B heads, rope fused, 64-key tiles)
     compiles for sm_90 to bf16 tensor-core instructions, with Triton's cp.async pipelining at 2
-    stages, and with KV_AHEAD at 1 stage pipelined by hand (plain loads a tile ahead, no cp.async)."""
+    stages, and with KV_AHEAD at 1 stage pipelined by hand (plain loads a tile ahead, no cp.async);
+    QUANT_OUT (its output written as the o projection's fp8 input) changes only the epilogue."""
     from tandem.kernels.triton.attention import _paged_attention_kernel
     ptrs = dict(q_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", out_ptr="*bf16", part_acc_ptr="*fp32",
                 part_ml_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32",
                 qk_scale="fp32", k_new_ptr="*bf16", v_new_ptr="*bf16", pos_ptr="*i64", cos_sin_ptr="*bf16",
-                slot_ptr="*i64", qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32")
+                slot_ptr="*i64", qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32", q8_ptr="*fp8e4nv", q8s_ptr="*fp32",
+                fp8_max="fp32")
     consts = dict(GROUP=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128, D_PAD=128, PAGE=16, NUM_SPLITS=1,
                   HEAVY_FIRST=True, OFFS_32=True, DENSE=False, BT_SCALAR=False, ROPE=True, QK_NORM=False, ROT=128,
-                  FAST_CVT=True, PDL=True, KV_AHEAD=kv_ahead)
+                  FAST_CVT=True, PDL=True, KV_AHEAD=kv_ahead, QUANT_OUT=quant_out)
     compiled = _compile_sm90(_paged_attention_kernel, ptrs, consts, 4, 1 if kv_ahead else 2)
     ptx = compiled.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
