@@ -137,7 +137,8 @@ def main() -> None:
               f"{r['greedy_agreement']:>13.0%}")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=dev, date=time.strftime("%Y-%m-%d"), copy_GBps=bw / 1e9,
-                                                  steps=args.steps, rounds=args.rounds, rows=rows), indent=1))
+                                                  steps=args.steps, rounds=args.rounds, fp8=args.fp8,
+                                                  kv_cache_dtype=args.kv_cache_dtype, rows=rows), indent=1))
 
 
 if __name__ == "__main__":
