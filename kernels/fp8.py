@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from tandem.kernels.activation import silu_and_mul_ref
-from tandem.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from tandem.kernels.backend import use_triton
 from tandem.kernels.config import DEFAULT_KERNELS, KernelConfig
 from tandem.kernels.linear import PendingNorm, decode_rows, can_pend
+from tandem.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 
 E4M3 = torch.float8_e4m3fn
 
@@ -113,8 +113,8 @@ def _quantized_linear_ref(xq, xs, w, w_scale, block, bias, dtype) -> torch.Tenso
 
 @dataclass
 class QuantRows:
-    """An FP8 GEMM's input rows written quantized by the kernel that produced them (the RMSNorm or
-    SiLU-and-mul ahead; KernelConfig.fuse_fp8_quant): q [T, K] fp8 and s [T, ceil(K / group)] float32
+    """An FP8 GEMM's input rows written quantized by the kernel that produced them (the RMSNorm,
+    attention or SiLU-and-mul ahead; KernelConfig.fuse_fp8_quant): q [T, K] fp8 and s [T, ceil(K / group)] float32
     as quantize_rows writes them, for rows of `dtype`; the GEMM skips its own quantization launch."""
     q: torch.Tensor
     s: torch.Tensor
