@@ -29,6 +29,7 @@ import torch
 from benchmarks.roofline import MODELS, build, copy_bandwidth, kv_bytes, param_bytes, step_times
 from tandem.kernels import KernelConfig
 
+MAX_MODEL_LEN = 8192
 FIELDS = {f.name.replace("_", "-"): f.name for f in dataclasses.fields(KernelConfig)}
 
 
@@ -53,9 +54,12 @@ def decode(core, batch: int, context: int, steps: int, tag: str) -> tuple[list[f
     from tandem.engine.protocol import EngineRequest
 
     ids = [f"{tag}-{i}" for i in range(batch)]
+    # the first sequences decode while the last ones prefill, so no sequence may finish before the timed steps
+    # end (a finished one leaves the scheduler): room up to the model length, and aborted after
     for i, rid in enumerate(ids):
         core.add_request(EngineRequest(rid, [(i * 7 + j) % 1000 + 1 for j in range(context)],
-                                       SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0)))
+                                       SamplingParams(max_tokens=MAX_MODEL_LEN - context, ignore_eos=True,
+                                                      temperature=0)))
     while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
         core.step()
     times = step_times(core, steps)
@@ -105,7 +109,7 @@ def main() -> None:
     for name in args.models:
         moe = "moe" in MODELS[name]["model_type"]
         engines = {v: build(name, args.fp8, kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=4096,
-                            max_num_seqs=max(8, args.batch), max_model_len=8192,
+                            max_num_seqs=max(8, args.batch), max_model_len=MAX_MODEL_LEN,
                             kv_cache_memory_bytes=kv_cache_bytes(name, args.batch, args.context, args.steps),
                             cuda_graph_sizes=(args.batch,), async_scheduling=True,
                             enable_prefix_caching=False,  # every run prefills alike, so greedy tokens compare

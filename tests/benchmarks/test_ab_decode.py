@@ -1,0 +1,21 @@
+"""benchmarks.ab_decode on CPU with a tiny dense model: a batch whose prompts prefill over several
+steps (the first sequences decode meanwhile) still has every sequence running through the timed
+steps, and two engines built alike agree on their greedy tokens. No timing is asserted."""
+from benchmarks import ab_decode, roofline
+
+TINY = dict(roofline.MODELS["llama3-8b"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=1024)
+
+
+def test_decode_keeps_every_sequence_through_the_timed_steps(monkeypatch):
+    monkeypatch.setitem(roofline.MODELS, "tiny-dense", TINY)
+    batch, context, steps = 8, 100, 6  # 800 prompt tokens at 64 a step: 13+ prefill steps before the timed ones
+    engines = [roofline.build("tiny-dense", device="cpu", max_num_batched_tokens=64, max_num_seqs=batch, seed=0,
+                              max_model_len=ab_decode.MAX_MODEL_LEN, async_scheduling=False).engine
+               for _ in range(2)]
+    runs = [ab_decode.decode(core, batch, context, steps, f"run{i}") for i, core in enumerate(engines)]
+    for (times, tokens), core in zip(runs, engines):
+        assert len(times) == steps
+        assert len(tokens) == batch and all(len(t) >= steps + 1 for t in tokens)
+        assert not core.has_unfinished_requests()
+    assert ab_decode.agreement(runs[0][1], runs[1][1]) == 1.0
