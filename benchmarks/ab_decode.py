@@ -14,7 +14,7 @@ KernelConfig (python -m tandem.server --help says what each does).
 
   python -m benchmarks.ab_decode --models llama3-8b --variants default no-fuse-norms no-pdl
   python -m benchmarks.ab_decode --models llama3-8b --fp8 block --kv-cache-dtype fp8 --batch 64 \
-      --variants default no-fuse-norms
+      --variants default no-fuse-fp8-quant
 """
 import argparse
 import dataclasses

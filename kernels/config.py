@@ -31,6 +31,10 @@ class KernelConfig:
         "at decode sizes (<= 16 tokens on a GPU with FP8, every expert here) FP8 experts run on the routed "
         "bf16 expert kernels reading the fp8 weights (W8A16: routing in the first GEMM, no activation "
         "quantization, the norms fused as for bf16); --no-fp8-moe-w8a16: routing, then the FP8 grouped GEMMs")})
+    fuse_fp8_quant: bool = field(default=True, metadata={"help": (
+        "at 17-64 rows, where the FP8 decode GEMM quantizes its input in a launch of its own, the RMSNorm, "
+        "attention (a scale group of one head) or SiLU-and-mul ahead of it writes that input in fp8 with its "
+        "scales instead (block-scaled weights)")})
     fp8_dense_w8a16: bool = field(default=False, metadata={"help": (
         "at decode sizes (<= 16 rows on a GPU with FP8) FP8 linear layers read their weights into the bf16 "
         "skinny GEMM (W8A16) instead of the FP8 decode GEMM (W8A8; faster on the Llama-3-8B step, "

@@ -10,6 +10,7 @@ Weight layouts (w: [N, K] in the fp8 dtype, scales float32, w ~= w_fp8 * scale),
 Experts stack the same per expert: w13 [E, 2I, H] with w13_scale [E, 2I] or [E, 2I/bn, H/bk].
 """
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +18,7 @@ from tandem.kernels.activation import silu_and_mul_ref
 from tandem.kernels.backend import use_triton
 from tandem.kernels.config import DEFAULT_KERNELS, KernelConfig
 from tandem.kernels.linear import PendingNorm, decode_rows, can_pend
+from tandem.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 
 E4M3 = torch.float8_e4m3fn
 
@@ -96,11 +98,92 @@ def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bloc
     kernels do, then both sides are dequantized and multiplied in float32."""
     x2 = x.reshape(-1, x.shape[-1])
     xq, xs = quantize_rows(x2, w.dtype, block[1] if block else None)
-    xd = xq.float() * xs.repeat_interleave(block[1] if block else x2.shape[1], dim=1)[:, :x2.shape[1]]
+    return _quantized_linear_ref(xq, xs, w, w_scale, block, bias, x.dtype).view(*x.shape[:-1], w.shape[0])
+
+
+def _quantized_linear_ref(xq, xs, w, w_scale, block, bias, dtype) -> torch.Tensor:
+    """Rows quantized as quantize_rows writes them (xq [M, K], xs [M, G]) @ the dequantized w.T -> [M, N] dtype."""
+    k = xq.shape[1]
+    xd = xq.float() * xs.repeat_interleave(block[1] if block else k, dim=1)[:, :k]
     y = xd @ dequantize_weight(w, w_scale, block).t()
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+    return y.to(dtype)
+
+
+@dataclass
+class QuantRows:
+    """An FP8 GEMM's input rows written quantized by the kernel that produced them (the RMSNorm,
+    attention or SiLU-and-mul ahead; KernelConfig.fuse_fp8_quant): q [T, K] fp8 and s [T, ceil(K / group)] float32
+    as quantize_rows writes them, for rows of `dtype`; the GEMM skips its own quantization launch."""
+    q: torch.Tensor
+    s: torch.Tensor
+    group: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def quant_ahead(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None,
+                config: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.dtype, int] | None:
+    """(fp8 dtype, group) where fp8_linear on x's rows [T, K] would quantize them in a launch of its
+    own ahead of the FP8 decode GEMM: config.fuse_fp8_quant, block-scaled, 17..MAX_ROWS rows (below,
+    the decode paths carry the norms: PendingNorm), bf16/fp16 rows on a GPU with FP8, a plan that
+    does not quantize in the GEMM. Then the kernel producing x writes it quantized (QuantRows). On
+    the CPU the same rule picks the references' fused forms, which compute the very same values."""
+    from tandem.kernels.triton.linear import MAX_ROWS as NORM_ROWS
+    if not (config.fuse_fp8_quant and block is not None and x.dim() == 2 and x.shape[0] > NORM_ROWS
+            and block[1] <= 1024 and not block[1] & (block[1] - 1)):
+        return None
+    if x.device.type != "cpu" and not (use_triton(x) and has_fp8_compute(x.device)
+                                       and x.dtype in (torch.bfloat16, torch.float16)):
+        return None
+    from tandem.kernels.triton.fp8_skinny import plan, supports
+    m, (n, k) = x.shape[0], w.shape
+    if k != x.shape[1] or not supports(m, block) or plan(m, n, k, block[1])["QUANT"]:
+        return None
+    return w.dtype, block[1]
+
+
+def rms_norm_quant_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                       dtype: torch.dtype, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """quantize_rows(rms_norm(x (+ residual))) -> (q, s, x + residual or None): the fused kernel's contract."""
+    if residual is None:
+        normed, summed = rms_norm_ref(x, weight, eps), None
+    else:
+        normed, summed = fused_add_rms_norm_ref(x, residual, weight, eps)
+    return *quantize_rows(normed, dtype, group), summed
+
+
+def silu_and_mul_quant_ref(x: torch.Tensor, dtype: torch.dtype, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows(silu_and_mul(x)) -> (q, s): the fused kernel's contract."""
+    return quantize_rows(silu_and_mul_ref(x), dtype, group)
+
+
+def rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                   dtype: torch.dtype, group: int, config: KernelConfig = DEFAULT_KERNELS
+                   ) -> tuple[QuantRows, torch.Tensor | None]:
+    """RMSNorm (with the residual add) writing the next FP8 GEMM's quantized input -> (QuantRows, the sum)."""
+    if use_triton(x):
+        from tandem.kernels.triton.norm import rms_norm_quant_triton
+        q, s, summed = rms_norm_quant_triton(x, residual, weight, eps, dtype, group, config.pdl)
+    else:
+        q, s, summed = rms_norm_quant_ref(x, residual, weight, eps, dtype, group)
+    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    return QuantRows(q, s, group, torch.promote_types(sum_dtype, weight.dtype)), summed
+
+
+def silu_and_mul_quant(x: torch.Tensor, dtype: torch.dtype, group: int,
+                       config: KernelConfig = DEFAULT_KERNELS) -> QuantRows:
+    """SiLU-and-mul writing the next FP8 GEMM's quantized input."""
+    if use_triton(x):
+        from tandem.kernels.triton.activation import silu_and_mul_quant_triton
+        q, s = silu_and_mul_quant_triton(x, dtype, group, config.pdl)
+    else:
+        q, s = silu_and_mul_quant_ref(x, dtype, group)
+    return QuantRows(q, s, group, x.dtype)
 
 
 def fp8_linear_w8a16_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
@@ -131,7 +214,17 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
     """fp8_linear_ref's contract; the Triton FP8 GEMM on GPUs with FP8 (config.pdl: the decode tile
     launched with PDL), else the reference (a GPU without FP8 runs the reference too: dequantize
     then matmul). At decode sizes with config.fp8_dense_w8a16: fp8_linear_w8a16_ref's contract, on
-    the bf16 skinny GEMM reading the fp8 weight."""
+    the bf16 skinny GEMM reading the fp8 weight. x may be QuantRows (quant_ahead): no quantization here."""
+    if isinstance(x, QuantRows):
+        if x.group != (block[1] if block else None) or x.q.dtype != w.dtype:
+            raise ValueError(f"fp8_linear: rows quantized in groups of {x.group} ({x.q.dtype}) for a weight "
+                             f"with block {block} ({w.dtype})")
+        if use_triton(x.q) and has_fp8_compute(x.q.device):
+            from tandem.kernels.triton.fp8_skinny import fp8_skinny_linear_triton
+            y = fp8_skinny_linear_triton(x.q, w, w_scale, block, pdl=config.pdl, quantized=x.s, dtype=x.dtype)
+        else:
+            y = _quantized_linear_ref(x.q, x.s, w, w_scale, block, None, x.dtype)
+        return y if bias is None else y + bias
     rows = fp8_decode_rows(x, block, config)
     if rows:
         from tandem.kernels.triton.linear import skinny_linear_triton

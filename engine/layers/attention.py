@@ -1,4 +1,6 @@
 """Attention over this layer's slice of the paged KV cache."""
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -8,6 +10,8 @@ from tandem.kernels.attention import NewTokens
 
 
 class Attention(nn.Module):
+    quant_spec: Callable[[torch.Tensor], tuple | None] | None = None  # the FP8 o projection's quant_ahead
+
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
                  kernels: KernelConfig):
         super().__init__()
@@ -38,7 +42,17 @@ class Attention(nn.Module):
             rope = NewTokens(positions, k, v, cos_sin_cache, ctx.slot_mapping, qk_norm)
         if ctx.on_layer_stored is not None:
             ctx.on_layer_stored(self.layer_idx)
+        quant = self.quant_out(q)
         out = paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens,
                               ctx.query_start_loc, self.scale, ctx.max_query_len, ctx.max_seq_len,
-                              (k, v) if dense else None, rope, self.kernels)
-        return out.flatten(1)
+                              (k, v) if dense else None, rope, self.kernels, quant)
+        return out if quant else out.flatten(1)
+
+    def quant_out(self, q: torch.Tensor) -> tuple | None:
+        """(fp8 dtype, head_dim) where the FP8 o projection after takes this step's output [T, Hq * D]
+        quantized (its quant_ahead, linked as quant_spec by engine/layers/fp8.py; a group of its K
+        block must be one head), else None."""
+        if self.quant_spec is None:
+            return None
+        spec = self.quant_spec(q.new_empty(()).expand(q.shape[0], self.num_heads * self.head_dim))
+        return spec if spec is not None and spec[1] == self.head_dim else None

@@ -23,8 +23,8 @@ from tandem.engine.parallel import tp_all_reduce, tp_rank, tp_size
 from tandem.engine.quantization import Fp8Scheme, fp8_scheme
 from tandem.engine.layers.norm import DeferredOutput
 from tandem.kernels.ep import NoDispatch
-from tandem.kernels.fp8 import (E4M3, e4m3fn_to_fnuz, fp8_decode_rows, fp8_dtype, fp8_linear, fp8_linear_add_norm,
-                               fp8_linear_normed, fused_experts_fp8, quantize_weight)
+from tandem.kernels.fp8 import (E4M3, QuantRows, e4m3fn_to_fnuz, fp8_decode_rows, fp8_dtype, fp8_linear,
+                               fp8_linear_add_norm, fp8_linear_normed, fused_experts_fp8, quant_ahead, quantize_weight)
 from tandem.kernels.linear import PendingNorm
 
 logger = logging.getLogger(__name__)
@@ -124,11 +124,16 @@ class Fp8Linear:
             y = fp8_linear(x, self.weight, self.weight_scale, self.fp8_block, bias, self.kernels)
         return tp_all_reduce(y) if row_parallel else y
 
+    def quant_ahead(self, x: torch.Tensor) -> tuple | None:
+        """(fp8 dtype, group) where this layer's input rows x are better written quantized by the kernel
+        producing them (kernels.fp8.quant_ahead), else None."""
+        return quant_ahead(x, self.weight, self.fp8_block, self.kernels)
+
     def _fp8_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> PendingNorm | None:
         """This layer's output + residual with `norm` left pending for the next GEMM, or None (nothing
         run) where that does not apply (tensor parallel: the all-reduce comes before the add; a bias;
         no GPU with FP8; more rows)."""
-        if tp_size() > 1 or self.bias is not None or isinstance(x, PendingNorm):
+        if tp_size() > 1 or self.bias is not None or isinstance(x, (PendingNorm, QuantRows)):
             return None
         return fp8_linear_add_norm(x, self.weight, self.weight_scale, self.fp8_block, residual, norm.weight,
                                    norm.eps, self.kernels)
@@ -251,12 +256,31 @@ def quantize_layers(model: nn.Module, scheme: Fp8Scheme) -> int:
     return count
 
 
+def link_quantized_inputs(model: nn.Module) -> int:
+    """Point each RMSNorm, attention or activation whose output only an FP8 linear layer reads (a decoder
+    layer's norms ahead of qkv_proj and a dense gate_up_proj, the attention ahead of o_proj, the MLP's
+    activation ahead of down_proj) at that layer's quant_ahead, so it writes the rows quantized where the
+    layer would quantize them in a launch of its own (engine/layers/norm.py). Returns how many were linked."""
+    linked = 0
+    for m in model.modules():
+        attn, mlp = getattr(m, "self_attn", None), getattr(m, "mlp", None)
+        for producer, consumer in ((getattr(m, "input_layernorm", None), getattr(attn, "qkv_proj", None)),
+                                   (getattr(m, "attn", None), getattr(m, "o_proj", None)),
+                                   (getattr(m, "post_attention_layernorm", None), getattr(mlp, "gate_up_proj", None)),
+                                   (getattr(m, "act_fn", None), getattr(m, "down_proj", None))):
+            if isinstance(consumer, Fp8Linear) and hasattr(producer, "quant_spec"):
+                producer.quant_spec = consumer.quant_ahead  # a bound method: not a submodule of the producer
+                linked += 1
+    return linked
+
+
 def quantize_model(model: nn.Module, hf_config, quantization: str | None) -> Fp8Scheme | None:
     """Make the freshly built model's covered layers FP8, before loading; None if it has no FP8."""
     scheme = fp8_scheme(hf_config, quantization)
     if scheme is None:
         return None
     count = quantize_layers(model, scheme)
+    link_quantized_inputs(model)
     logger.info("FP8: %d layers (%s, %s)", count, "quantized at load" if scheme.online else "checkpoint",
                 f"block {list(scheme.block)}" if scheme.block else "per-channel")
     return scheme

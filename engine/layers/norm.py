@@ -8,6 +8,11 @@ and the GEMM after (qkv, gate_up, the MoE router and experts) scales its output 
 1/rms. The model code does not see it: the GEMM ahead returns a `DeferredOutput` instead of its
 output, a `PendingRMSNorm` asks it to add the residual and leave the norm pending (or computes it
 and runs the norm as usual), and the linear and MoE layers take a `PendingNorm` as their input.
+
+Where the norms run on their own ahead of an FP8 GEMM that would quantize its input in a launch of
+its own (17-64 rows, KernelConfig.fuse_fp8_quant), the norm writes that input quantized instead
+(kernels.fp8.QuantRows), as the attention and the MLP activation do: engine/layers/fp8.py links
+each such producer to the FP8 layer after it (`quant_spec`).
 """
 from dataclasses import dataclass
 from typing import Callable
@@ -16,6 +21,7 @@ import torch
 from torch import nn
 
 from tandem.kernels import KernelConfig, fused_add_rms_norm, rms_norm
+from tandem.kernels.fp8 import rms_norm_quant
 from tandem.kernels.linear import PendingNorm
 
 
@@ -49,9 +55,17 @@ class PendingRMSNorm(RMSNorm):
     layer ahead deferred its output and can carry the add and the norm, returns (PendingNorm,
     the new residual) for the next linear or MoE layer to apply; else what RMSNorm returns."""
 
+    quant_spec: Callable[[torch.Tensor], tuple | None] | None = None  # the FP8 layer after's quant_ahead
+
     def forward(self, x: torch.Tensor | DeferredOutput, residual: torch.Tensor | None = None):
         if isinstance(x, DeferredOutput) and residual is not None:
             pending = x.add_norm(residual, self)
             if pending is not None:
                 return pending, pending.s
+        if self.quant_spec is not None:
+            x = x.compute() if isinstance(x, DeferredOutput) else x
+            spec = self.quant_spec(x)
+            if spec is not None:
+                rows, summed = rms_norm_quant(x, residual, self.weight, self.eps, *spec, self.kernels)
+                return rows if residual is None else (rows, summed)
         return super().forward(x, residual)

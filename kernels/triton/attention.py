@@ -16,6 +16,7 @@ import triton.language as tl
 
 from tandem.kernels.triton.device import num_sms
 from tandem.kernels.triton.e4m3 import E4M3_BF16_UNIT, e4m3_to_bf16_scaled, fast_cvt
+from tandem.kernels.triton.fp8_skinny import _quant_tile
 from tandem.kernels.triton.pdl import launch_args, wait_previous
 
 
@@ -235,11 +236,12 @@ def _paged_attention_kernel(
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     k_new_ptr, v_new_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
     pos_ptr, cos_sin_ptr, stride_cs, slot_ptr, qw_ptr, kw_ptr, eps,
+    q8_ptr, q8s_ptr, stride_q8t, stride_q8st, fp8_max,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HEAVY_FIRST: tl.constexpr, OFFS_32: tl.constexpr, DENSE: tl.constexpr, BT_SCALAR: tl.constexpr,
     ROPE: tl.constexpr, QK_NORM: tl.constexpr, ROT: tl.constexpr, FAST_CVT: tl.constexpr, PDL: tl.constexpr,
-    KV_AHEAD: tl.constexpr = False,
+    KV_AHEAD: tl.constexpr = False, QUANT_OUT: tl.constexpr = False,
 ):
     # Up to the wait only sequence metadata is read (query_start_loc, seq_lens), which no kernel
     # of the step writes: the dependent loads that place this program run while the kernel ahead
@@ -351,9 +353,14 @@ def _paged_attention_kernel(
         acc *= E4M3_BF16_UNIT
 
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + tok_idx[:, None] * stride_ot + head[:, None] * stride_oh + d_off[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+        out = (acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]).to(out_ptr.dtype.element_ty)
+        if QUANT_OUT:  # the o projection's fp8 input instead: one scale a (token, head) row
+            q8_rows = q8_ptr + tok_idx[:, None] * stride_q8t + head[:, None] * HEAD_DIM
+            _store_head_quantized(out, q8_rows + d_off[None, :], q8s_ptr + tok_idx * stride_q8st + head, row_mask,
+                                  d_mask, fp8_max)
+        else:
+            tl.store(out_ptr + tok_idx[:, None] * stride_ot + head[:, None] * stride_oh + d_off[None, :], out,
+                     mask=row_mask[:, None] & d_mask[None, :])
     else:
         # partials: acc [T, Hq, NUM_SPLITS, D_PAD], (m, l) [T, Hq, NUM_SPLITS, 2], all float32
         part = (tok_idx * num_heads + head) * NUM_SPLITS + split
@@ -363,11 +370,20 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _store_head_quantized(out, q_ptrs, s_ptrs, row_mask, d_mask, fp8_max):
+    """out [rows, D_PAD] (each a token's head, rounded to the output dtype) -> fp8 at q_ptrs and one
+    float32 scale a row at s_ptrs: kernels.fp8.quantize_rows of [T, Hq * D] in groups of D."""
+    q, scale = _quant_tile(tl.where(d_mask[None, :], out.to(tl.float32), 0.0), fp8_max, q_ptrs.dtype.element_ty)
+    tl.store(q_ptrs, q, mask=row_mask[:, None] & d_mask[None, :])
+    tl.store(s_ptrs, scale, mask=row_mask)
+
+
+@triton.jit
 def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr, seq_lens_ptr, num_seqs, max_q_len, head_dim,
-    stride_ot, stride_oh,
+    stride_ot, stride_oh, q8_ptr, q8s_ptr, stride_q8t, stride_q8st, fp8_max,
     NUM_SPLITS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, QUANT_OUT: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -400,9 +416,13 @@ def _merge_splits_kernel(
     denom = tl.sum(w * l, axis=0)
     d_off = tl.arange(0, D_PAD)
     acc = tl.load(part_acc_ptr + (base + sp)[:, None] * D_PAD + d_off[None, :], mask=live[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d_off,
-             out.to(out_ptr.dtype.element_ty), mask=d_off < head_dim)
+    out = (tl.sum(acc * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)).to(out_ptr.dtype.element_ty)
+    if QUANT_OUT:
+        _store_head_quantized(out[None, :], q8_ptr + t.to(tl.int64) * stride_q8t + h * head_dim + d_off[None, :],
+                              q8s_ptr + t.to(tl.int64) * stride_q8st + h + tl.zeros([1], tl.int32),
+                              tl.full([1], True, tl.int1), d_off < head_dim, fp8_max)
+    else:
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d_off, out, mask=d_off < head_dim)
 
 
 _ALL_Q = (0, 2**31 - 1)
@@ -485,8 +505,8 @@ def paged_attention_triton(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
     max_query_len: int | None = None, max_seq_len: int | None = None,
     dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope: "NewTokens | None" = None,
-    pdl: bool = True, int_convert: bool = True,
-) -> torch.Tensor:
+    pdl: bool = True, int_convert: bool = True, quant: tuple[torch.dtype, int] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hk, D]; block_tables: [S, max_blocks] int32;
     seq_lens: [S] (context incl. the new tokens); query_start_loc: [S+1]. Returns [T, Hq, D].
 
@@ -498,28 +518,36 @@ def paged_attention_triton(
     them: q (raw), k and v are normalized, rotated and stored by the attention programs, as
     kernels.rotary.rotary_store_kvcache would have done in a launch of its own.
     int_convert: an e4m3 cache is read into bf16 by integer ops (kernels/triton/e4m3.py) on CUDA.
+    quant = (fp8 dtype, D): the output is written as the o projection's FP8 input instead,
+    (q [T, Hq * D] fp8, s [T, Hq] float32) as kernels.fp8.quantize_rows writes it in groups of D.
     """
     return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                             max_query_len, max_seq_len, dense_kv=dense_kv, rope=rope, pdl=pdl,
-                            int_convert=int_convert)
+                            int_convert=int_convert, quant=quant)
 
 
 def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                      max_query_len=None, max_seq_len=None, plan: dict | None = None,
                      dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope=None,
-                     pdl: bool = True, int_convert: bool = True):
+                     pdl: bool = True, int_convert: bool = True, quant=None):
     """paged_attention_triton with an optional explicit launch plan (benchmark sweeps)."""
     num_tokens, num_heads, head_dim = q.shape
+    if quant is not None and quant[1] != head_dim:
+        raise ValueError(f"attention: a quantized output takes groups of head_dim {head_dim}, not {quant[1]}")
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     for t in (q, k_cache, v_cache):
         if t.stride(-1) != 1:
             raise ValueError(f"paged_attention needs a unit stride on head_dim, got strides {t.stride()}")
-    out = torch.empty_like(q)
+    out = torch.empty_like(q)  # (its dtype only, with quant)
+    q8 = torch.empty(num_tokens, num_heads * head_dim, device=q.device, dtype=quant[0]) if quant else out
+    q8s = torch.empty(num_tokens, num_heads, device=q.device, dtype=torch.float32) if quant else out
+    quant_args = (q8, q8s, q8.stride(0), q8s.stride(0), float(torch.finfo(q8.dtype).max) if quant else 1.0)
+    result = (q8, q8s) if quant else out
     num_seqs = query_start_loc.shape[0] - 1
     if num_tokens == 0 or num_seqs <= 0:
-        return out
+        return result
     group = num_heads // num_kv_heads
     kv_bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
     if dense_kv is not None and (dense_kv[0].dtype != k_cache.dtype or dense_kv[1].dtype != v_cache.dtype
@@ -562,11 +590,11 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), *rope_args,
-            GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=p["BLOCK_N"], HEAD_DIM=head_dim,
+            *quant_args, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=p["BLOCK_N"], HEAD_DIM=head_dim,
             D_PAD=d_pad, PAGE=page, NUM_SPLITS=splits, HEAVY_FIRST=heavy_first,
             OFFS_32=p.get("OFFS_32", offs_32), DENSE=p.get("DENSE", False) and dense_kv is not None,
             BT_SCALAR=p.get("BT_SCALAR", False) and p["BLOCK_N"] % page == 0,
-            KV_AHEAD=p.get("KV_AHEAD", False),
+            KV_AHEAD=p.get("KV_AHEAD", False), QUANT_OUT=quant is not None,
             ROPE=rope is not None, QK_NORM=rope is not None and rope.qk_norm is not None,
             ROT=rope.cos_sin_cache.shape[-1] if rope is not None else 0, FAST_CVT=fast,
             num_warps=p["num_warps"], num_stages=p["num_stages"], **launch_args(q, pdl),
@@ -575,7 +603,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         if splits > 1:
             _merge_splits_kernel[(num_tokens, num_heads)](
                 out, part_acc, part_ml, query_start_loc, seq_lens, num_seqs, p["Q_RANGE"][1], head_dim,
-                out.stride(0), out.stride(1), NUM_SPLITS=splits, D_PAD=d_pad, BLOCK_Q=block_q,
-                BLOCK_N=p["BLOCK_N"], num_warps=4, **launch_args(q, pdl),
+                out.stride(0), out.stride(1), *quant_args, NUM_SPLITS=splits, D_PAD=d_pad, BLOCK_Q=block_q,
+                BLOCK_N=p["BLOCK_N"], QUANT_OUT=quant is not None, num_warps=4, **launch_args(q, pdl),
             )
-    return out
+    return result

@@ -341,10 +341,13 @@ def supports(m: int, block: tuple[int, int] | None) -> bool:
 
 def fp8_skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                              block: tuple[int, int] | None, cfg: dict | None = None,
-                             pdl: bool = True) -> torch.Tensor:
+                             pdl: bool = True, quantized: torch.Tensor | None = None,
+                             dtype: torch.dtype | None = None) -> torch.Tensor:
     """kernels.fp8.fp8_linear_ref for x: [M, K] bf16/fp16, M <= MAX_ROWS; w: [N, K] fp8 with
-    w_scale [N] (block None) or [ceil(N / bn), ceil(K / bk)] -> [M, N] in x.dtype."""
-    return _launch(x, w, w_scale, block, cfg, pdl)[0]
+    w_scale [N] (block None) or [ceil(N / bn), ceil(K / bk)] -> [M, N] in x.dtype. quantized: x is
+    already quantized (fp8, as quantize_rows_triton writes it) with these scales, the output in dtype;
+    the plan must be one that quantizes ahead (QUANT off)."""
+    return _launch(x, w, w_scale, block, cfg, pdl, quantized=None if quantized is None else (quantized, dtype))[0]
 
 
 def fp8_skinny_add_norm_triton(
@@ -371,7 +374,7 @@ def fp8_skinny_normed_triton(sg: torch.Tensor, w: torch.Tensor, w_scale: torch.T
     return _launch(sg, w, w_scale, block, cfg, pdl, norm_in=(ss, eps))[0]
 
 
-def _launch(x, w, w_scale, block, cfg, pdl, norm_out=None, norm_in=None):
+def _launch(x, w, w_scale, block, cfg, pdl, norm_out=None, norm_in=None, quantized=None):
     m, k = x.shape
     n = w.shape[0]
     if not supports(m, block) or w.shape[1] != k:
@@ -387,12 +390,16 @@ def _launch(x, w, w_scale, block, cfg, pdl, norm_out=None, norm_in=None):
     if split > 1 and strips > MAX_TICKETS:
         split = 1
     x = x if x.stride(-1) == 1 else x.contiguous()
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if quantized is not None and (quant or norm_out is not None or norm_in is not None):
+        raise ValueError("fp8 skinny GEMM: rows quantized ahead take a plan without QUANT and no pending norm")
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype if quantized is None else quantized[1])
     sg = torch.empty_like(out) if norm_out is not None else out
     # every strip writes its column for all 16 rows (zeros past M)
     ss = torch.empty(NORM_ROWS, strips, device=x.device, dtype=torch.float32) if norm_out is not None else out
     xs = x  # (unused with QUANT)
-    if not quant:
+    if quantized is not None:
+        xs = quantized[0]
+    elif not quant:
         x, xs = quantize_rows_triton(x, w.dtype, block[1] if block else None, pdl)
     w_scale = w_scale.contiguous()
     part = torch.empty(split, bucket, n, device=x.device, dtype=torch.float32) if split > 1 else out

@@ -131,3 +131,46 @@ def test_unsupported_quantization_is_a_clear_error(tiny_models, tmp_path):
         LLM(str(dst))
     with pytest.raises(ValueError, match="--quantization"):
         LLM(src, quantization="int4")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # head_dim 16 / 32: the weights' 32-column groups
+def test_norms_and_activation_quantize_for_the_fp8_gemm_after(tiny_models, tmp_path, monkeypatch, arch):
+    """At 17-64 rows (KernelConfig.fuse_fp8_quant) the norms ahead of qkv_proj / gate_up_proj, the
+    attention ahead of o_proj and the activation ahead of down_proj write the FP8 GEMM's input
+    quantized (kernels.fp8.QuantRows; the attention where a group is one head: qwen3's). The
+    values are those the GEMM's own quantization writes, so on the CPU references the logprobs and
+    tokens are bitwise those of the unfused path; and the fused forms did run (counted)."""
+    import tandem.engine.layers.activation as act_layers
+    import tandem.engine.layers.attention as attn_layers
+    import tandem.engine.layers.norm as norm_layers
+    src = tiny_models[arch][0]
+    write_fp8_checkpoint(src, tmp_path / "fp8", "hf_block")
+    calls = {"norm": 0, "act": 0, "attn": 0}
+
+    def counted(name, fn, when=lambda *args: True):
+        def run(*args, **kwargs):
+            calls[name] += when(*args)
+            return fn(*args, **kwargs)
+        return run
+    monkeypatch.setattr(norm_layers, "rms_norm_quant", counted("norm", norm_layers.rms_norm_quant))
+    monkeypatch.setattr(act_layers, "silu_and_mul_quant", counted("act", act_layers.silu_and_mul_quant))
+    monkeypatch.setattr(attn_layers, "paged_attention", counted("attn", attn_layers.paged_attention,
+                                                                lambda *args: args[-1] is not None))
+    prompt = [int(t) for t in torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(5))]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    outs = {}
+    for fuse in (True, False):
+        llm = LLM(str(tmp_path / "fp8"), block_size=4, max_num_batched_tokens=64, fuse_fp8_quant=fuse)
+        layers = len(_model_of(llm).model.layers)
+        outs[fuse] = llm.generate([prompt, prompt[:30]], params)
+        if fuse:  # the first step's 64 rows (40 + 24 prompt tokens) took the fused forms, every layer
+            assert calls["norm"] >= 2 * layers and calls["act"] >= layers, calls
+            assert calls["attn"] >= layers if arch == "qwen3" else calls["attn"] == 0, calls
+            seen = dict(calls)
+        else:
+            assert calls == seen, "fuse_fp8_quant=False ran a fused form"
+        del llm
+    for fused, plain in zip(outs[True], outs[False]):
+        assert fused.token_ids == plain.token_ids
+        for a, b in zip(fused.prompt_logprobs[1:], plain.prompt_logprobs[1:]):
+            assert a.logprobs == b.logprobs and a.token_ids == b.token_ids

@@ -301,6 +301,43 @@ def run_quant_case(device, dtype, exact: bool) -> None:
     assert torch.equal(q3[:5].float(), q.float()) if exact else _rel(q3[:5].float(), q.float()) < 0.1
 
 
+def run_fused_quant_case(device, dtype, exact: bool) -> None:
+    """The RMSNorm (alone and with the residual add) and SiLU-and-mul kernels writing the next FP8
+    GEMM's input quantized (KernelConfig.fuse_fp8_quant) against quantize_rows of the references'
+    outputs (ragged groups included); then the 64-row FP8 GEMM on rows quantized ahead against the
+    reference GEMM on the same rows."""
+    from tandem.kernels.fp8 import _quantized_linear_ref, rms_norm_quant_ref, silu_and_mul_quant_ref
+    from tandem.kernels.triton.activation import silu_and_mul_quant_triton
+    from tandem.kernels.triton.fp8_skinny import fp8_skinny_linear_triton
+    from tandem.kernels.triton.norm import rms_norm_quant_triton
+    act = torch.bfloat16 if device != "cpu" else torch.float16
+    gen = torch.Generator().manual_seed(0)
+
+    def rows(*shape):
+        return torch.randn(*shape, generator=gen).to(act).to(device)
+
+    def check(got, ref):
+        assert torch.allclose(got[1], ref[1], rtol=1e-6, atol=0)
+        assert torch.equal(got[0].float(), ref[0].float()) if exact else _rel(got[0].float(), ref[0].float()) < 0.1
+    for hidden, group in ((256, 128), (200, 64), (96, 128)):
+        x, res = rows(20, hidden), rows(20, hidden)
+        w = (torch.rand(hidden, generator=gen) + 0.5).to(act).to(device)
+        for residual in (None, res):
+            q, s, summed = rms_norm_quant_triton(x, residual, w, 1e-6, dtype, group, pdl=False)
+            q_ref, s_ref, summed_ref = rms_norm_quant_ref(x, residual, w, 1e-6, dtype, group)
+            check((q, s), (q_ref, s_ref))
+            assert s.shape == (20, -(-hidden // group)) and q.dtype == dtype
+            assert summed_ref is None if residual is None else torch.equal(summed, summed_ref)
+    for d, group in ((300, 128), (2500, 128), (96, 32), (48, 64)):
+        x = rows(20, 2 * d)
+        check(silu_and_mul_quant_triton(x, dtype, group, pdl=False), silu_and_mul_quant_ref(x, dtype, group))
+    xq, xs = quantize_rows(rows(40, 256), dtype, 128)
+    wq, ws = quantize_weight(torch.randn(192, 256, generator=gen).to(device) * 0.05, dtype, (128, 128))
+    y = fp8_skinny_linear_triton(xq, wq, ws, (128, 128), pdl=False, quantized=xs, dtype=act)
+    ref = _quantized_linear_ref(xq, xs, wq, ws, (128, 128), None, act)
+    assert y.dtype == act and _rel(y.float(), ref.float()) < 2e-2
+
+
 def _interpreter_main() -> None:
     import tandem.kernels.triton.fp8 as triton_fp8
     results = {}
@@ -309,6 +346,11 @@ def _interpreter_main() -> None:
         results["quant"] = ""
     except Exception as exc:
         results["quant"] = f"{type(exc).__name__}: {exc}"
+    try:
+        run_fused_quant_case("cpu", E4M3, exact=False)
+        results["fusedquant"] = ""
+    except Exception as exc:
+        results["fusedquant"] = f"{type(exc).__name__}: {exc}"
     # (the interpreter's e4m3 cast misrounds; docstring)
     from tandem.kernels.triton import fp8_skinny
     triton_fp8.quantize_rows_triton = fp8_skinny.quantize_rows_triton = (
@@ -341,7 +383,7 @@ def interpreter_results():
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["quant"] + [f"gemm{i}" for i in range(len(GEMM_CASES))] +
+@pytest.mark.parametrize("case", ["quant", "fusedquant"] + [f"gemm{i}" for i in range(len(GEMM_CASES))] +
                          [f"skinny{i}" for i in range(len(SKINNY_CASES))] +
                          [f"pending{i}" for i in range(len(PENDING_NORM_CASES))] +
                          [f"moe{i}" for i in range(len(MOE_CASES))] + [f"moeplan{i}" for i in range(len(MOE_PLANS))] +
@@ -361,6 +403,11 @@ def _gpu_fp8():
 @pytest.mark.gpu
 def test_fp8_quantize_rows_gpu():
     run_quant_case("cuda", _gpu_fp8(), exact=True)
+
+
+@pytest.mark.gpu
+def test_fp8_fused_quant_gpu():
+    run_fused_quant_case("cuda", _gpu_fp8(), exact=True)
 
 
 @pytest.mark.gpu
@@ -566,19 +613,21 @@ def test_fp8_gemm_plans_compile_for_sm90():
         assert compiled.metadata.shared <= SMEM_LIMIT, (what, compiled.metadata.shared)
 
 
-@pytest.mark.parametrize("kv_ahead", [False, True])
-def test_fp8_cache_decode_attention_compiles_for_sm90(kv_ahead):
+@pytest.mark.parametrize("kv_ahead,quant_out", [(False, False), (True, False), (False, True)])
+def test_fp8_cache_decode_attention_compiles_for_sm90(kv_ahead, quant_out):
     """Without a GPU: decode attention over an e4m3 cache (Llama-3-8B heads, rope fused, 64-key tiles)
     compiles for sm_90 to bf16 tensor-core instructions, with Triton's cp.async pipelining at 2
-    stages, and with KV_AHEAD at 1 stage pipelined by hand (plain loads a tile ahead, no cp.async)."""
+    stages, and with KV_AHEAD at 1 stage pipelined by hand (plain loads a tile ahead, no cp.async);
+    QUANT_OUT (its output written as the o projection's fp8 input) changes only the epilogue."""
     from tandem.kernels.triton.attention import _paged_attention_kernel
     ptrs = dict(q_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", out_ptr="*bf16", part_acc_ptr="*fp32",
                 part_ml_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32",
                 qk_scale="fp32", k_new_ptr="*bf16", v_new_ptr="*bf16", pos_ptr="*i64", cos_sin_ptr="*bf16",
-                slot_ptr="*i64", qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32")
+                slot_ptr="*i64", qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32", q8_ptr="*fp8e4nv", q8s_ptr="*fp32",
+                fp8_max="fp32")
     consts = dict(GROUP=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128, D_PAD=128, PAGE=16, NUM_SPLITS=1,
                   HEAVY_FIRST=True, OFFS_32=True, DENSE=False, BT_SCALAR=False, ROPE=True, QK_NORM=False, ROT=128,
-                  FAST_CVT=True, PDL=True, KV_AHEAD=kv_ahead)
+                  FAST_CVT=True, PDL=True, KV_AHEAD=kv_ahead, QUANT_OUT=quant_out)
     compiled = _compile_sm90(_paged_attention_kernel, ptrs, consts, 4, 1 if kv_ahead else 2)
     ptx = compiled.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx

@@ -173,6 +173,24 @@ def test_paged_attention_launch_variants(heavy_first, offs_32):
     assert _rel(_paged_attention(*args, 0.09, plan=plan), ref) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("case", ["mixed", "decode", "long_decode"])
+def test_paged_attention_quant_out(case):
+    """The output written as the FP8 o projection's input (one e4m3 scale a token's head): exactly
+    kernels.fp8.quantize_rows of the same launch's bf16 output, on every plan the cases take
+    (prefill, decode, split-K with its merge)."""
+    from tandem.kernels.fp8 import fp8_dtype, has_fp8_compute, quantize_rows
+    from tandem.kernels.triton.attention import paged_attention_triton
+    if not has_fp8_compute(torch.device(DEVICE)):
+        pytest.skip("needs a GPU with FP8")
+    q_lens, ctx_lens = ATTN_CASES[case]
+    args = _paged_inputs(q_lens, ctx_lens, 32, 8, 128, 16, torch.bfloat16)
+    bounds = (max(q_lens), max(ctx_lens))
+    ref_q, ref_s = quantize_rows(paged_attention_triton(*args, 0.09, *bounds).flatten(1), fp8_dtype(DEVICE), 128)
+    _poison(ref_q.numel() * 4 * 8)
+    got_q, got_s = paged_attention_triton(*args, 0.09, *bounds, quant=(fp8_dtype(DEVICE), 128))
+    assert torch.equal(got_s, ref_s) and torch.equal(got_q.float(), ref_q.float())
+
+
 @pytest.mark.parametrize("plan", [
     None,  # the default plans: enough prefill tokens for the 256-row tiles
     dict(BLOCK_M=256, BLOCK_N=64, NUM_SPLITS=1, num_warps=8, num_stages=3, BT_SCALAR=True),

@@ -19,7 +19,7 @@ from tests.interpreter import run_under_interpreter
 CASES = ["argmax", "argmax_split_ties_nan", "skinny_gemm", "skinny_gemm_split", "skinny_gemm_pending_norm",
          "topk_routing", "routed_experts_decode", "routed_experts_pending_norm", "routed_experts_no_local_expert",
          "paged_attention_split", "paged_attention_rope", "paged_attention_prefill_scalar_table",
-         "paged_attention_kv_ahead"]
+         "paged_attention_kv_ahead", "paged_attention_quant_out"]
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -190,6 +190,26 @@ def run_case(name: str) -> None:
                                 BT_SCALAR=scalar, KV_AHEAD=True)
                     out = _paged_attention(q, kc, vc, bt[:len(seq_lens)], seq_lens, qsl, 0.2, max_q, 76, plan=plan)
                     assert _rel(out, ref) < 5e-3, (max_q, scalar, splits)
+    elif name == "paged_attention_quant_out":
+        # the output written as the FP8 o projection's input (kernels.fp8.QuantRows, one scale a token's
+        # head), split or not: the same values as the unquantized launch's output through quantize_rows
+        # (scales exactly; the interpreter's e4m3 cast misrounds, so the values within 10%)
+        from tandem.kernels.fp8 import E4M3, quantize_rows
+        from tandem.kernels.triton.attention import _paged_attention
+        page, hq, hk, d = 4, 4, 2, 32
+        kc, vc = torch.randn(60, page, hk, d).half(), torch.randn(60, page, hk, d).half()
+        bt = torch.randperm(60, dtype=torch.int32)[:57].view(3, 19)
+        for seq_lens, qsl, max_q in (([70, 37, 5], [0, 1, 2, 3], 1), ([70, 37], [0, 20, 57], 37)):
+            seq_lens, qsl = torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32)
+            q = torch.randn(int(qsl[-1]), hq, d).half()
+            args = (q, kc, vc, bt[:len(seq_lens)], seq_lens, qsl, 0.2, max_q, 76)
+            for splits in ((1, 2) if max_q == 1 else (1,)):
+                plan = dict(BLOCK_M=16, BLOCK_N=16, NUM_SPLITS=splits, num_warps=4, num_stages=1)
+                ref_q, ref_s = quantize_rows(_paged_attention(*args, plan=plan).flatten(1), E4M3, d)
+                got_q, got_s = _paged_attention(*args, plan=plan, quant=(E4M3, d))
+                assert got_q.shape == ref_q.shape and got_s.shape == ref_s.shape == (len(q), hq)
+                assert torch.equal(got_s, ref_s), (max_q, splits)
+                assert _rel(got_q.float(), ref_q.float()) < 0.1, (max_q, splits)
     else:
         raise ValueError(f"unknown case {name}")
 
