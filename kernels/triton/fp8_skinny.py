@@ -32,7 +32,7 @@ import triton.language as tl
 
 from tandem.kernels.triton.device import MAX_TICKETS, num_sms, tickets
 from tandem.kernels.triton.linear import MAX_ROWS as NORM_ROWS
-from tandem.kernels.triton.linear import _write_out, pending_rstd, w8_scale_kind, w_scale_ptrs
+from tandem.kernels.triton.linear import _write_out, block_scales, pending_rstd, w8_scale_kind, w_scale_ptrs
 from tandem.kernels.triton.pdl import launch_args, wait_previous
 
 MAX_ROWS = 64
@@ -76,11 +76,7 @@ def _tile_scales(xs_ptrs, ws_ptrs, kb, nkb, m_mask, n_mask, PER_CHANNEL: tl.cons
     s = m_mask.to(tl.float32)
     if not QUANT:
         s = tl.load(xs_ptrs + kb, mask=m_mask, other=0.0)
-    if W_SCALAR:
-        w_s = tl.load(ws_ptrs + kb)
-    else:
-        w_s = tl.load(ws_ptrs + kb, mask=n_mask, other=0.0)
-    return s, w_s
+    return s, block_scales(ws_ptrs, kb, n_mask, W_SCALAR)
 
 
 @triton.jit

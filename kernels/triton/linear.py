@@ -69,13 +69,21 @@ def w_scales(ws_ptrs, k0, K, k_per_scale, n_mask, W_SCALE: tl.constexpr):
     (ones). The K loops load them a tile ahead of their dot_w: Triton's pipeliner leaves a scale
     load inside the loop synchronous, and each tile then waited for it (an L2 or HBM round trip)
     before the next tile's loads were issued."""
-    kb = tl.minimum(k0, K - 1) // k_per_scale
-    if W_SCALE == 3:
-        s = tl.load(ws_ptrs + kb)
-    elif W_SCALE == 2:
-        s = tl.load(ws_ptrs + kb, mask=n_mask, other=0.0)
+    if W_SCALE >= 2:
+        s = block_scales(ws_ptrs, tl.minimum(k0, K - 1) // k_per_scale, n_mask, W_SCALE == 3)
     else:
         s = n_mask.to(tl.float32)
+    return s
+
+
+@triton.jit
+def block_scales(ws_ptrs, kb, n_mask, SCALAR: tl.constexpr):
+    """K block kb's weight scales: with SCALAR the strip's one (ws_ptrs a scalar: the strip lies
+    inside one row block of the scale grid), else the columns' [BN] at ws_ptrs."""
+    if SCALAR:
+        s = tl.load(ws_ptrs + kb)
+    else:
+        s = tl.load(ws_ptrs + kb, mask=n_mask, other=0.0)
     return s
 
 
