@@ -171,8 +171,8 @@ def rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
         q, s, summed = rms_norm_quant_triton(x, residual, weight, eps, dtype, group, config.pdl)
     else:
         q, s, summed = rms_norm_quant_ref(x, residual, weight, eps, dtype, group)
-    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    return QuantRows(q, s, group, torch.promote_types(sum_dtype, weight.dtype)), summed
+    normed_from = x if summed is None else summed  # the row the norm scales, in the sum's dtype
+    return QuantRows(q, s, group, torch.promote_types(normed_from.dtype, weight.dtype)), summed
 
 
 def silu_and_mul_quant(x: torch.Tensor, dtype: torch.dtype, group: int,
