@@ -10,12 +10,18 @@ speed-up.
 
 A variant is "default" (the engine's KernelConfig), "none" (every field off), or the fields to turn
 off as flag names joined by "+", e.g. "no-pdl" or "no-fuse-norms+no-fuse-rope". Fields: those of
-KernelConfig (python -m tandem.server --help says what each does).
+KernelConfig (python -m tandem.server --help says what each does). "plans=FILE" is the default
+config with the decode tile plans that benchmarks.plan_tune wrote to FILE (--out) in the tables
+while that engine captures its decode graphs: the plans it found, timed as the engine runs them.
 
   python -m benchmarks.ab_decode --models llama3-8b --variants default no-fuse-norms no-pdl
   python -m benchmarks.ab_decode --models llama3-8b --fp8 block --kv-cache-dtype fp8 --batch 64 \
       --variants default no-fuse-fp8-quant
+  python -m benchmarks.ab_decode --models llama3-8b --fp8 block --kv-cache-dtype fp8 --batch 64 \
+      --variants default plans=tuned.json
 """
+import ast
+import contextlib
 import argparse
 import dataclasses
 import gc
@@ -35,7 +41,7 @@ FIELDS = {f.name.replace("_", "-"): f.name for f in dataclasses.fields(KernelCon
 
 def kernel_fields(variant: str) -> dict:
     """Variant name -> KernelConfig keyword arguments (see the module docstring)."""
-    if variant == "default":
+    if variant == "default" or variant.startswith("plans="):
         return {}
     if variant == "none":
         return {f: False for f in FIELDS.values()}
@@ -46,6 +52,42 @@ def kernel_fields(variant: str) -> dict:
             raise SystemExit(f"unknown variant part {part!r}; expected no-<field>, fields: {', '.join(FIELDS)}")
         off[FIELDS[name]] = False
     return off
+
+
+def tuned_plans(variant: str) -> list[tuple[dict, object, dict]]:
+    """(table, key, plan) for each walk's best plan in the plan_tune JSON a "plans=FILE" variant
+    names; [] for other variants. Only table plans: a walk of the attention's launch plan (a hook in
+    plan_tune, no table) is refused."""
+    if not variant.startswith("plans="):
+        return []
+    from tandem.kernels.triton import fp8_skinny, linear, moe
+    out = []
+    for w in json.loads(Path(variant.removeprefix("plans=")).read_text())["walks"]:
+        kind, _, key = w["what"].partition(" ")
+        if kind == "fp8":
+            out.append((fp8_skinny.PLANS, ast.literal_eval(key), w["best"]))
+        elif kind == "bf16":
+            out.append((linear.SKINNY_PLANS, ast.literal_eval(key), w["best"]))
+        elif kind == "experts":
+            out += [(moe.W8A16_PAIRS, name, value) for name, value in w["best"].items()]
+        else:
+            raise SystemExit(f"{variant}: the {w['what']!r} walk has no plan table to put it in")
+    return out
+
+
+@contextlib.contextmanager
+def plans_installed(plans: list[tuple[dict, object, dict]]):
+    """The plans in their tables while the block runs (an engine built there captures its graphs
+    with them), the tables as they were after."""
+    saved = [(table, dict(table)) for table in {id(t): t for t, _, _ in plans}.values()]
+    for table, key, plan in plans:
+        table[key] = plan
+    try:
+        yield
+    finally:
+        for table, before in saved:
+            table.clear()
+            table.update(before)
 
 
 def decode(core, batch: int, context: int, steps: int, tag: str) -> tuple[list[float], list[list[int]]]:
@@ -102,19 +144,23 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     configs = {v: kernel_fields(v) for v in args.variants}  # unknown names fail before any model is built
+    for v in args.variants:
+        tuned_plans(v)  # (as does a plans file that cannot be read or put in the tables)
     bw = copy_bandwidth()
     dev = torch.cuda.get_device_name()
     print(f"{dev}: copy bandwidth {bw / 1e9:.0f} GB/s (measured now)", flush=True)
     rows = []
     for name in args.models:
         moe = "moe" in MODELS[name]["model_type"]
-        engines = {v: build(name, args.fp8, kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=4096,
-                            max_num_seqs=max(8, args.batch), max_model_len=MAX_MODEL_LEN,
-                            kv_cache_memory_bytes=kv_cache_bytes(name, args.batch, args.context, args.steps),
-                            cuda_graph_sizes=(args.batch,), async_scheduling=True,
-                            enable_prefix_caching=False,  # every run prefills alike, so greedy tokens compare
-                            **fields).engine
-                   for v, fields in configs.items()}
+        engines = {}
+        for v, fields in configs.items():
+            with plans_installed(tuned_plans(v)):
+                engines[v] = build(name, args.fp8, kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=4096,
+                                   max_num_seqs=max(8, args.batch), max_model_len=MAX_MODEL_LEN,
+                                   kv_cache_memory_bytes=kv_cache_bytes(name, args.batch, args.context, args.steps),
+                                   cuda_graph_sizes=(args.batch,), async_scheduling=True,
+                                   enable_prefix_caching=False,  # every run prefills alike, so tokens compare
+                                   **fields).engine
         runner = next(iter(engines.values())).runner
         wbytes = param_bytes(runner, MODELS[name]["num_experts_per_tok"] if moe else None)
         floor = (wbytes + kv_bytes(runner, args.batch, args.context)) / bw

@@ -1,6 +1,10 @@
 """benchmarks.ab_decode on CPU with a tiny dense model: a batch whose prompts prefill over several
 steps (the first sequences decode meanwhile) still has every sequence running through the timed
 steps, and two engines built alike agree on their greedy tokens. No timing is asserted."""
+import json
+
+import pytest
+
 from benchmarks import ab_decode, roofline
 
 TINY = dict(roofline.MODELS["llama3-8b"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -19,3 +23,24 @@ def test_decode_keeps_every_sequence_through_the_timed_steps(monkeypatch):
         assert len(tokens) == batch and all(len(t) >= steps + 1 for t in tokens)
         assert not core.has_unfinished_requests()
     assert ab_decode.agreement(runs[0][1], runs[1][1]) == 1.0
+
+
+def test_plans_variant_puts_plan_tunes_best_plans_in_the_tables_while_building(tmp_path):
+    from tandem.kernels.triton import fp8_skinny, linear, moe
+    key, plan = (64, 4096, 4096, 128), {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4, "QUANT": False,
+                                        "num_warps": 4, "num_stages": 4}
+    walks = [dict(what=f"fp8 {key}", best=plan), dict(what="bf16 (2048, 128)", best={"BLOCK_N": 16}),
+             dict(what="experts", best=dict(moe.W8A16_PAIRS, num_warps=1))]
+    f = tmp_path / "tuned.json"
+    f.write_text(json.dumps(dict(walks=walks)))
+    before = [dict(t) for t in (fp8_skinny.PLANS, linear.SKINNY_PLANS, moe.W8A16_PAIRS)]
+    assert ab_decode.kernel_fields(f"plans={f}") == {}
+    with ab_decode.plans_installed(ab_decode.tuned_plans(f"plans={f}")):
+        assert fp8_skinny.plan(64, 4096, 4096, 128) == dict(plan, PRELOAD=2)  # what a capture now asks for
+        assert linear.SKINNY_PLANS[(2048, 128)] == {"BLOCK_N": 16}
+        assert moe.W8A16_PAIRS["num_warps"] == 1
+    assert [dict(t) for t in (fp8_skinny.PLANS, linear.SKINNY_PLANS, moe.W8A16_PAIRS)] == before
+    assert ab_decode.tuned_plans("default") == []
+    f.write_text(json.dumps(dict(walks=[dict(what="decode attention", best={})])))
+    with pytest.raises(SystemExit, match="no plan table"):
+        ab_decode.tuned_plans(f"plans={f}")
