@@ -265,7 +265,6 @@ PLANS: dict[tuple[int, int, int, int | None], dict] = {
     (16, 2048, 4096, 128): _plan(64, 128, 16, True, 2),  # 7.0/10.7
     (16, 2048, 4096, None): _plan(64, 512, 4, False, 4, swap=True),  # H100 11-27, 16 rows: 8.8 / 9.7
     (64, 6144, 4096, None): _plan(32, 128, 1, False, 4),  # 16.6/17.9
-    (64, 4096, 4096, 128): _plan(32, 128, 2, False, 4),  # 14.2/14.7
     # H200, 2026-11-27 (strips of 128 added to the 64-row sweep): each strip re-reads the 64 rows of x
     (64, 28672, 4096, 128): _plan(128, 128, 1, False, 4),  # 39.9/50.6
     (64, 28672, 4096, None): _plan(64, 128, 1, False, 4),  # 52.7/56.5
@@ -273,8 +272,12 @@ PLANS: dict[tuple[int, int, int, int | None], dict] = {
     (64, 2048, 4096, 128): _plan(32, 128, 4, False, 4),  # 10.4/10.7
     # H200, 2026-11-28, chosen inside the Llama-3-8B b=64 step (benchmarks/plan_tune.py, graph replay us,
     # plan / plan before): qkv 32-wide strips 5407 / 5491 (64-wide); down 3 stages 5341 / 5411 (the rule's 4)
-    (64, 6144, 4096, 128): _plan(32, 128, 2, False, 4),
-    (64, 4096, 14336, 128): dict(_plan(32, 128, 4, False, 4), num_stages=3),
+    # H200, 2026-11-29, chosen again in that step with the norms, the attention and SiLU-and-mul writing the GEMMs'
+    # input quantized (KernelConfig.fuse_fp8_quant): qkv 5 stages 5173 / 5209, o split 4 5079 / 5178, down 64-wide
+    # strips 5024 / 5081; the three together 5.140 / 5.302 ms a step in benchmarks.ab_decode (RESULTS.md)
+    (64, 6144, 4096, 128): dict(_plan(32, 128, 2, False, 4), num_stages=5),
+    (64, 4096, 4096, 128): _plan(32, 128, 4, False, 4),
+    (64, 4096, 14336, 128): dict(_plan(64, 128, 4, False, 4), num_stages=3),
 }
 
 

@@ -423,6 +423,19 @@ def test_fp8_skinny_plans_gpu(case):
     run_gemm_case(case[:4], "cuda", _gpu_fp8(), case[4])
 
 
+def _table_plan_cases() -> list[tuple]:
+    from tandem.kernels.triton.fp8_skinny import PLANS
+    return [(bucket, n, k, (128, block_k) if block_k else None) for bucket, n, k, block_k in PLANS]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _table_plan_cases())
+def test_fp8_skinny_table_plans_gpu(case):
+    """Every plan of the decode tile's table (fp8_skinny.PLANS), as the step launches it (PRELOAD
+    included), on its own weight shape at the row bucket's most rows, against fp8_linear_ref."""
+    run_gemm_case(case, "cuda", _gpu_fp8())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [(150, 256, 256, (128, 128)), (200, 128, 384, (128, 128)), (130, 384, 512, None),
                                   (129, 4096, 4096, (128, 128)), (1000, 6144, 4096, None)])
