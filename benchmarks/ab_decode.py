@@ -11,8 +11,9 @@ speed-up.
 A variant is "default" (the engine's KernelConfig), "none" (every field off), or the fields to turn
 off as flag names joined by "+", e.g. "no-pdl" or "no-fuse-norms+no-fuse-rope". Fields: those of
 KernelConfig (python -m tandem.server --help says what each does). "plans=FILE" is the default
-config with the decode tile plans that benchmarks.plan_tune wrote to FILE (--out) in the tables
-while that engine captures its decode graphs: the plans it found, timed as the engine runs them.
+config with the plans that benchmarks.plan_tune wrote to FILE (--out) in place while that engine
+captures its decode graphs (GEMM and expert plans in their tables, the decode attention's through
+plan_tune's hook): the plans it found, timed as the engine runs them.
 
   python -m benchmarks.ab_decode --models llama3-8b --variants default no-fuse-norms no-pdl
   python -m benchmarks.ab_decode --models llama3-8b --fp8 block --kv-cache-dtype fp8 --batch 64 \
@@ -54,10 +55,10 @@ def kernel_fields(variant: str) -> dict:
     return off
 
 
-def tuned_plans(variant: str) -> list[tuple[dict, object, dict]]:
+def tuned_plans(variant: str) -> list[tuple[dict | None, object, dict]]:
     """(table, key, plan) for each walk's best plan in the plan_tune JSON a "plans=FILE" variant
-    names; [] for other variants. Only table plans: a walk of the attention's launch plan (a hook in
-    plan_tune, no table) is refused."""
+    names; [] for other variants. The decode attention's launch plan has no table: its entry is
+    (None, "attention", the override plan_tune's DecodeAttentionPlan hook puts on the rule's plan)."""
     if not variant.startswith("plans="):
         return []
     from tandem.kernels.triton import fp8_skinny, linear, moe
@@ -70,24 +71,34 @@ def tuned_plans(variant: str) -> list[tuple[dict, object, dict]]:
             out.append((linear.SKINNY_PLANS, ast.literal_eval(key), w["best"]))
         elif kind == "experts":
             out += [(moe.W8A16_PAIRS, name, value) for name, value in w["best"].items()]
+        elif w["what"] == "decode attention":
+            out.append((None, "attention", w["best"]))
         else:
-            raise SystemExit(f"{variant}: the {w['what']!r} walk has no plan table to put it in")
+            raise SystemExit(f"{variant}: unknown walk {w['what']!r}")
     return out
 
 
 @contextlib.contextmanager
-def plans_installed(plans: list[tuple[dict, object, dict]]):
-    """The plans in their tables while the block runs (an engine built there captures its graphs
-    with them), the tables as they were after."""
-    saved = [(table, dict(table)) for table in {id(t): t for t, _, _ in plans}.values()]
-    for table, key, plan in plans:
+def plans_installed(plans: list[tuple[dict | None, object, dict]]):
+    """The plans in their tables (and the attention's through plan_tune's hook) while the block
+    runs, so that an engine built there captures its graphs with them; as they were after."""
+    from benchmarks.plan_tune import DecodeAttentionPlan
+    tables = [(t, k, p) for t, k, p in plans if t is not None]
+    saved = [(table, dict(table)) for table in {id(t): t for t, _, _ in tables}.values()]
+    hook = None
+    for table, key, plan in tables:
         table[key] = plan
+    for _, _, plan in (x for x in plans if x[0] is None):
+        hook = DecodeAttentionPlan()
+        hook.override = plan
     try:
         yield
     finally:
         for table, before in saved:
             table.clear()
             table.update(before)
+        if hook is not None:
+            hook.restore()
 
 
 def decode(core, batch: int, context: int, steps: int, tag: str) -> tuple[list[float], list[list[int]]]:

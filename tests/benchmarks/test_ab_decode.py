@@ -4,6 +4,7 @@ steps, and two engines built alike agree on their greedy tokens. No timing is as
 import json
 
 import pytest
+import torch
 
 from benchmarks import ab_decode, roofline
 
@@ -30,17 +31,25 @@ def test_plans_variant_puts_plan_tunes_best_plans_in_the_tables_while_building(t
     key, plan = (64, 4096, 4096, 128), {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4, "QUANT": False,
                                         "num_warps": 4, "num_stages": 4}
     walks = [dict(what=f"fp8 {key}", best=plan), dict(what="bf16 (2048, 128)", best={"BLOCK_N": 16}),
-             dict(what="experts", best=dict(moe.W8A16_PAIRS, num_warps=1))]
+             dict(what="experts", best=dict(moe.W8A16_PAIRS, num_warps=1)),
+             dict(what="decode attention", best={"num_warps": 8})]
     f = tmp_path / "tuned.json"
     f.write_text(json.dumps(dict(walks=walks)))
+    from tandem.kernels.triton import attention
     before = [dict(t) for t in (fp8_skinny.PLANS, linear.SKINNY_PLANS, moe.W8A16_PAIRS)]
+    rule = attention._launch_plans
     assert ab_decode.kernel_fields(f"plans={f}") == {}
     with ab_decode.plans_installed(ab_decode.tuned_plans(f"plans={f}")):
         assert fp8_skinny.plan(64, 4096, 4096, 128) == dict(plan, PRELOAD=2)  # what a capture now asks for
         assert linear.SKINNY_PLANS[(2048, 128)] == {"BLOCK_N": 16}
         assert moe.W8A16_PAIRS["num_warps"] == 1
+        q = torch.zeros(64, 32, 128, dtype=torch.bfloat16)  # a decode batch: 64 sequences, one query each
+        args = (q, 4, 64, 8, 1, 1024, False, 1)  # (GQA group 4, 8 KV heads, 1k context, fp8 cache)
+        assert rule(*args)[0]["num_warps"] != 8
+        assert attention._launch_plans(*args)[0]["num_warps"] == 8
     assert [dict(t) for t in (fp8_skinny.PLANS, linear.SKINNY_PLANS, moe.W8A16_PAIRS)] == before
+    assert attention._launch_plans is rule
     assert ab_decode.tuned_plans("default") == []
-    f.write_text(json.dumps(dict(walks=[dict(what="decode attention", best={})])))
-    with pytest.raises(SystemExit, match="no plan table"):
+    f.write_text(json.dumps(dict(walks=[dict(what="router", best={})])))
+    with pytest.raises(SystemExit, match="unknown walk"):
         ab_decode.tuned_plans(f"plans={f}")
