@@ -21,9 +21,9 @@ plan_tune's hook): the plans it found, timed as the engine runs them.
   python -m benchmarks.ab_decode --models llama3-8b --fp8 block --kv-cache-dtype fp8 --batch 64 \
       --variants default plans=tuned.json
 """
+import argparse
 import ast
 import contextlib
-import argparse
 import dataclasses
 import gc
 import json
@@ -84,13 +84,13 @@ def plans_installed(plans: list[tuple[dict | None, object, dict]]):
     runs, so that an engine built there captures its graphs with them; as they were after."""
     from benchmarks.plan_tune import DecodeAttentionPlan
     tables = [(t, k, p) for t, k, p in plans if t is not None]
+    attention = [p for t, _, p in plans if t is None]
     saved = [(table, dict(table)) for table in {id(t): t for t, _, _ in tables}.values()]
-    hook = None
     for table, key, plan in tables:
         table[key] = plan
-    for _, _, plan in (x for x in plans if x[0] is None):
-        hook = DecodeAttentionPlan()
-        hook.override = plan
+    hook = DecodeAttentionPlan() if attention else None
+    if hook is not None:
+        hook.override = attention[-1]
     try:
         yield
     finally:
