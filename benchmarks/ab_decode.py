@@ -82,23 +82,22 @@ def tuned_plans(variant: str) -> list[tuple[dict | None, object, dict]]:
 def plans_installed(plans: list[tuple[dict | None, object, dict]]):
     """The plans in their tables (and the attention's through plan_tune's hook) while the block
     runs, so that an engine built there captures its graphs with them; as they were after."""
-    from benchmarks.plan_tune import DecodeAttentionPlan
-    tables = [(t, k, p) for t, k, p in plans if t is not None]
-    attention = [p for t, _, p in plans if t is None]
-    saved = [(table, dict(table)) for table in {id(t): t for t, _, _ in tables}.values()]
-    for table, key, plan in tables:
-        table[key] = plan
-    hook = DecodeAttentionPlan() if attention else None
-    if hook is not None:
-        hook.override = attention[-1]
+    from benchmarks.plan_tune import DecodeAttentionPlan, _put_tables, _tables
+    if not plans:
+        yield
+        return
+    hook = DecodeAttentionPlan()
+    before = _tables(hook)
+    for table, key, plan in plans:
+        if table is None:
+            hook.override = plan
+        else:
+            table[key] = plan
     try:
         yield
     finally:
-        for table, before in saved:
-            table.clear()
-            table.update(before)
-        if hook is not None:
-            hook.restore()
+        _put_tables(hook, before)
+        hook.restore()
 
 
 def decode(core, batch: int, context: int, steps: int, tag: str) -> tuple[list[float], list[list[int]]]:
