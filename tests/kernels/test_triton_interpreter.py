@@ -26,6 +26,20 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
+def _paged_batches():
+    """Two batches over one half-precision paged cache (4-key pages of a shuffled table, 2 KV heads of
+    32, 4 query heads): three decodes whose contexts end inside a 16-key tile, then a chunk behind its
+    context and a fresh prompt. Yields _paged_attention's arguments up to its bounds (q, caches, table,
+    seq_lens, query_start_loc, scale 0.2, max_query_len, max_seq_len 76)."""
+    page, hq, hk, d = 4, 4, 2, 32
+    kc, vc = torch.randn(60, page, hk, d).half(), torch.randn(60, page, hk, d).half()
+    bt = torch.randperm(60, dtype=torch.int32)[:57].view(3, 19)
+    for seq_lens, qsl, max_q in (([70, 37, 5], [0, 1, 2, 3], 1), ([70, 37], [0, 20, 57], 37)):
+        seq_lens, qsl = torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32)
+        q = torch.randn(int(qsl[-1]), hq, d).half()
+        yield q, kc, vc, bt[:len(seq_lens)], seq_lens, qsl, 0.2, max_q, 76
+
+
 def run_case(name: str) -> None:
     """Raises AssertionError when the kernel disagrees with its reference."""
     torch.manual_seed(0)
@@ -177,18 +191,14 @@ def run_case(name: str) -> None:
         # context and a fresh prompt; 16-key tiles over 4-key pages of a shuffled table
         from tandem.kernels.attention import paged_attention_ref
         from tandem.kernels.triton.attention import _paged_attention
-        page, hq, hk, d = 4, 4, 2, 32
-        kc, vc = torch.randn(60, page, hk, d).half(), torch.randn(60, page, hk, d).half()
-        bt = torch.randperm(60, dtype=torch.int32)[:57].view(3, 19)
-        for seq_lens, qsl, max_q in (([70, 37, 5], [0, 1, 2, 3], 1), ([70, 37], [0, 20, 57], 37)):
-            seq_lens, qsl = torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32)
-            q = torch.randn(int(qsl[-1]), hq, d).half()
-            ref = paged_attention_ref(q, kc, vc, bt[:len(seq_lens)], seq_lens, qsl, 0.2)
+        for args in _paged_batches():
+            ref = paged_attention_ref(*args[:7])
+            max_q = args[7]
             for scalar in (True, False):
                 for splits in ((1, 2) if max_q == 1 else (1,)):
                     plan = dict(BLOCK_M=16, BLOCK_N=16, NUM_SPLITS=splits, num_warps=4, num_stages=1,
                                 BT_SCALAR=scalar, KV_AHEAD=True)
-                    out = _paged_attention(q, kc, vc, bt[:len(seq_lens)], seq_lens, qsl, 0.2, max_q, 76, plan=plan)
+                    out = _paged_attention(*args, plan=plan)
                     assert _rel(out, ref) < 5e-3, (max_q, scalar, splits)
     elif name == "paged_attention_quant_out":
         # the output written as the FP8 o projection's input (kernels.fp8.QuantRows, one scale a token's
@@ -196,13 +206,8 @@ def run_case(name: str) -> None:
         # (scales exactly; the interpreter's e4m3 cast misrounds, so the values within 10%)
         from tandem.kernels.fp8 import E4M3, quantize_rows
         from tandem.kernels.triton.attention import _paged_attention
-        page, hq, hk, d = 4, 4, 2, 32
-        kc, vc = torch.randn(60, page, hk, d).half(), torch.randn(60, page, hk, d).half()
-        bt = torch.randperm(60, dtype=torch.int32)[:57].view(3, 19)
-        for seq_lens, qsl, max_q in (([70, 37, 5], [0, 1, 2, 3], 1), ([70, 37], [0, 20, 57], 37)):
-            seq_lens, qsl = torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32)
-            q = torch.randn(int(qsl[-1]), hq, d).half()
-            args = (q, kc, vc, bt[:len(seq_lens)], seq_lens, qsl, 0.2, max_q, 76)
+        for args in _paged_batches():
+            q, max_q, (hq, d) = args[0], args[7], args[0].shape[1:]
             for splits in ((1, 2) if max_q == 1 else (1,)):
                 plan = dict(BLOCK_M=16, BLOCK_N=16, NUM_SPLITS=splits, num_warps=4, num_stages=1)
                 ref_q, ref_s = quantize_rows(_paged_attention(*args, plan=plan).flatten(1), E4M3, d)
