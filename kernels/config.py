@@ -27,6 +27,10 @@ class KernelConfig:
     fp8_int_convert: bool = field(default=True, metadata={"help": (
         "kernels reading e4m3 into bf16 (an fp8 KV cache in attention, the W8A16 GEMMs) convert with integer "
         "ops (CUDA); --no-fp8-int-convert: Triton's cvt conversion, which runs on the GPU's slow conversion units")})
+    fp8_kv_f16: bool = field(default=True, metadata={"help": (
+        "attention over an fp8 KV cache (CUDA, bf16 models) reads e4m3 into f16, one cvt instruction a pair "
+        "of values, and runs its dots in f16, q taken to f16; --no-fp8-kv-f16: bf16 dots, K and V read as "
+        "--fp8-int-convert says")})
     fp8_moe_w8a16: bool = field(default=True, metadata={"help": (
         "at decode sizes (<= 16 tokens on a GPU with FP8, every expert here) FP8 experts run on the routed "
         "bf16 expert kernels reading the fp8 weights (W8A16: routing in the first GEMM, no activation "

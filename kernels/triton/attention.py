@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.triton.device import num_sms
-from tandem.kernels.triton.e4m3 import E4M3_BF16_UNIT, e4m3_to_bf16_scaled, fast_cvt
+from tandem.kernels.triton.e4m3 import E4M3_BF16_UNIT, e4m3_to_bf16_scaled, e4m3_to_f16, fast_cvt
 from tandem.kernels.triton.fp8_skinny import _quant_tile
 from tandem.kernels.triton.pdl import launch_args, wait_previous
 
@@ -118,13 +118,18 @@ def _kv_tile(k_base, v_base, block, n, hi, d_off, d_mask, stride_kb, stride_ko, 
 
 @triton.jit
 def _tile_update(acc, l_i, m_i, q, k, v, n, in_range, q_pos, qk_scale, MASKED: tl.constexpr,
-                 FAST_CVT: tl.constexpr, PIN_V: tl.constexpr):
+                 FAST_CVT: tl.constexpr, PIN_K: tl.constexpr, PIN_V: tl.constexpr):
     """One key tile k, v [BLOCK_N, D_PAD] (keys n) into the online softmax (acc, l_i, m_i); MASKED:
-    keys past q_pos (causal) or outside in_range count as -inf. PIN_V: V's e4m3 conversion stays in
-    the load's layout (e4m3_to_bf16_scaled's PINNED), for the plans without splits: 64 decodes over an
-    fp8 cache, Llama-3-8B at 1k on an H200, 57.0 -> 55.5 us a layer; a split plan at b=1 lost 0.4%."""
-    if FAST_CVT:
-        k = e4m3_to_bf16_scaled(k)
+    keys past q_pos (causal) or outside in_range count as -inf. FAST_CVT (an e4m3 cache): 1, K and V
+    by e4m3_to_bf16_scaled; 2, by e4m3_to_f16 (q is f16 then). PIN_K / PIN_V: that tile's conversion
+    stays in the load's layout (the helpers' PINNED). With bf16, V pinned pays in the plans without
+    splits only (64 decodes over an fp8 cache, Llama-3-8B at 1k on an H200, 57.0 -> 55.5 us a layer;
+    a split plan at b=1 lost 0.4%)."""
+    if FAST_CVT == 2:
+        k = e4m3_to_f16(k, PIN_K)
+        v = e4m3_to_f16(v, PIN_V)
+    elif FAST_CVT == 1:
+        k = e4m3_to_bf16_scaled(k, PIN_K)
         v = e4m3_to_bf16_scaled(v, PIN_V)
     s = tl.dot(q, tl.trans(k.to(q.dtype)))
     if MASKED:
@@ -147,15 +152,15 @@ def _attend_tiles(
     stride_kb, stride_ko, stride_vb, stride_vo, qk_scale,
     MASKED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
     OFFS_32: tl.constexpr, DENSE: tl.constexpr, BT_SCALAR: tl.constexpr, FAST_CVT: tl.constexpr,
-    PIN_V: tl.constexpr,
+    PIN_K: tl.constexpr, PIN_V: tl.constexpr,
 ):
     """Online softmax over keys [lo, hi); MASKED applies the causal and the hi bound, else
     every tile is full and loads go unpredicated (EVEN_D: no head_dim padding either).
     OFFS_32: cache offsets fit 32 bits (cheaper address arithmetic). DENSE: key n is row n
     from k_base / v_base (row strides stride_ko / stride_vo), no block table. BT_SCALAR: see
-    _tile_blocks. FAST_CVT (an e4m3 cache, bf16 q): keys and values are converted by
+    _tile_blocks. FAST_CVT 1 (an e4m3 cache, bf16 q): keys and values are converted by
     e4m3_to_bf16_scaled, so the scores and acc come out in units of 1 / E4M3_BF16_UNIT (the
-    caller's qk_scale and epilogue scale them back)."""
+    caller's qk_scale and epilogue scale them back); 2: by e4m3_to_f16, q in f16, no units."""
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         in_range = n < hi
@@ -177,7 +182,8 @@ def _attend_tiles(
         else:
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        acc, l_i, m_i = _tile_update(acc, l_i, m_i, q, k, v, n, in_range, q_pos, qk_scale, MASKED, FAST_CVT, PIN_V)
+        acc, l_i, m_i = _tile_update(acc, l_i, m_i, q, k, v, n, in_range, q_pos, qk_scale, MASKED, FAST_CVT, PIN_K,
+                                     PIN_V)
     return acc, l_i, m_i
 
 
@@ -186,7 +192,7 @@ def _attend_tiles_ahead(
     acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos, lo, hi,
     stride_kb, stride_ko, stride_vb, stride_vo, qk_scale,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, OFFS_32: tl.constexpr, BT_SCALAR: tl.constexpr,
-    FAST_CVT: tl.constexpr, PIN_V: tl.constexpr,
+    FAST_CVT: tl.constexpr, PIN_K: tl.constexpr, PIN_V: tl.constexpr,
 ):
     """_attend_tiles over the full paged tiles [lo, hi), pipelined by hand (KV_AHEAD; for plans of
     one stage, which Triton leaves alone): each iteration issues the next tile's K/V loads into
@@ -203,7 +209,8 @@ def _attend_tiles_ahead(
         k_next, v_next = _kv_tile(k_base, v_base, block, n + BLOCK_N, hi, d_off, d_mask, stride_kb, stride_ko,
                                   stride_vb, stride_vo, PAGE, OFFS_32)
         block = _tile_blocks(bt_row, start + 2 * BLOCK_N, hi, PAGE, BLOCK_N, BT_SCALAR, True)
-        acc, l_i, m_i = _tile_update(acc, l_i, m_i, q, k, v, n, n < hi, q_pos, qk_scale, False, FAST_CVT, PIN_V)
+        acc, l_i, m_i = _tile_update(acc, l_i, m_i, q, k, v, n, n < hi, q_pos, qk_scale, False, FAST_CVT, PIN_K,
+                                     PIN_V)
         k = k_next
         v = v_next
     return acc, l_i, m_i
@@ -241,7 +248,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HEAVY_FIRST: tl.constexpr, OFFS_32: tl.constexpr, DENSE: tl.constexpr, BT_SCALAR: tl.constexpr,
     ROPE: tl.constexpr, QK_NORM: tl.constexpr, ROT: tl.constexpr, FAST_CVT: tl.constexpr, PDL: tl.constexpr,
-    KV_AHEAD: tl.constexpr = False, QUANT_OUT: tl.constexpr = False,
+    KV_AHEAD: tl.constexpr = False, QUANT_OUT: tl.constexpr = False, PIN_K: tl.constexpr = False,
 ):
     # Up to the wait only sequence metadata is read (query_start_loc, seq_lens), which no kernel
     # of the step writes: the dependent loads that place this program run while the kernel ahead
@@ -323,6 +330,8 @@ def _paged_attention_kernel(
         tl.debug_barrier()  # the key and value stored above are read back with the tiles below
     else:
         q = tl.load(q_rows + d_off[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if FAST_CVT == 2:
+        q = q.to(tl.float16)  # (bf16 -> f16 is exact below 65504: 3 more mantissa bits, 3 fewer exponent)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if DENSE:  # the whole context is this step's new tokens (a prefill from position 0): read them
@@ -335,21 +344,23 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    PIN_V = NUM_SPLITS == 1  # (_tile_update)
+    # (_tile_update) V pinned: the bf16 form gains without splits only; the f16 form's pinned cvt reads
+    # V from 16-byte loads in every plan but KV_AHEAD's, whose tiles come through registers
+    PIN_V = (NUM_SPLITS == 1) | ((FAST_CVT == 2) & (not KV_AHEAD))
     if KV_AHEAD and not DENSE:
         acc, l_i, m_i = _attend_tiles_ahead(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
                                             kv_lo, full_hi, stride_kb, stride_ko, stride_vb, stride_vo,
-                                            qk_scale, PAGE, BLOCK_N, OFFS_32, BT_SCALAR, FAST_CVT, PIN_V)
+                                            qk_scale, PAGE, BLOCK_N, OFFS_32, BT_SCALAR, FAST_CVT, PIN_K, PIN_V)
     else:
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
                                       kv_lo, full_hi, stride_kb, stride_ko, stride_vb, stride_vo,
                                       qk_scale, False, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE, BT_SCALAR,
-                                      FAST_CVT, PIN_V)
+                                      FAST_CVT, PIN_K, PIN_V)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
                                   full_hi, kv_hi, stride_kb, stride_ko, stride_vb, stride_vo,
                                   qk_scale, True, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE, BT_SCALAR,
-                                  FAST_CVT, PIN_V)
-    if FAST_CVT:
+                                  FAST_CVT, PIN_K, PIN_V)
+    if FAST_CVT == 1:
         acc *= E4M3_BF16_UNIT
 
     if NUM_SPLITS == 1:
@@ -506,6 +517,7 @@ def paged_attention_triton(
     max_query_len: int | None = None, max_seq_len: int | None = None,
     dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope: "NewTokens | None" = None,
     pdl: bool = True, int_convert: bool = True, quant: tuple[torch.dtype, int] | None = None,
+    kv_f16: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hk, D]; block_tables: [S, max_blocks] int32;
     seq_lens: [S] (context incl. the new tokens); query_start_loc: [S+1]. Returns [T, Hq, D].
@@ -518,18 +530,20 @@ def paged_attention_triton(
     them: q (raw), k and v are normalized, rotated and stored by the attention programs, as
     kernels.rotary.rotary_store_kvcache would have done in a launch of its own.
     int_convert: an e4m3 cache is read into bf16 by integer ops (kernels/triton/e4m3.py) on CUDA.
+    kv_f16: before that, an e4m3 cache under bf16 q is read into f16 by cvt (kernels/triton/e4m3.py
+    e4m3_to_f16) on CUDA and the dots run in f16, q taken to f16 (exact for |q| < 65504).
     quant = (fp8 dtype, D): the output is written as the o projection's FP8 input instead,
     (q [T, Hq * D] fp8, s [T, Hq] float32) as kernels.fp8.quantize_rows writes it in groups of D.
     """
     return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                             max_query_len, max_seq_len, dense_kv=dense_kv, rope=rope, pdl=pdl,
-                            int_convert=int_convert, quant=quant)
+                            int_convert=int_convert, quant=quant, kv_f16=kv_f16)
 
 
 def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                      max_query_len=None, max_seq_len=None, plan: dict | None = None,
                      dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope=None,
-                     pdl: bool = True, int_convert: bool = True, quant=None):
+                     pdl: bool = True, int_convert: bool = True, quant=None, kv_f16: bool = True):
     """paged_attention_triton with an optional explicit launch plan (benchmark sweeps)."""
     num_tokens, num_heads, head_dim = q.shape
     if quant is not None and quant[1] != head_dim:
@@ -567,7 +581,8 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         q_w, k_w, eps = rope.qk_norm if rope.qk_norm is not None else (q, q, 0.0)  # unused without norm
         rope_args = (rope.positions, rope.cos_sin_cache, rope.cos_sin_cache.stride(0), rope.slot_mapping,
                      q_w, k_w, eps)
-    fast = int_convert and fast_cvt(q, k_cache) and v_cache.dtype == k_cache.dtype
+    fast = fast_cvt(q, k_cache) and v_cache.dtype == k_cache.dtype
+    fast = 2 if fast and kv_f16 else 1 if fast and int_convert else 0  # the kernel's FAST_CVT
     d_pad = triton.next_power_of_2(head_dim)
     offs_32 = max(k_cache.shape[0] * k_cache.stride(0), v_cache.shape[0] * v_cache.stride(0),
                   k_new.shape[0] * k_new.stride(0), v_new.shape[0] * v_new.stride(0)) < 2**31
@@ -585,7 +600,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             grid = (num_kv_heads, grid[0], splits)
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc,
-            scale * 1.4426950408889634 * (E4M3_BF16_UNIT if fast else 1.0), num_seqs, *p["Q_RANGE"],
+            scale * 1.4426950408889634 * (E4M3_BF16_UNIT if fast == 1 else 1.0), num_seqs, *p["Q_RANGE"],
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -594,7 +609,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             D_PAD=d_pad, PAGE=page, NUM_SPLITS=splits, HEAVY_FIRST=heavy_first,
             OFFS_32=p.get("OFFS_32", offs_32), DENSE=p.get("DENSE", False) and dense_kv is not None,
             BT_SCALAR=p.get("BT_SCALAR", False) and p["BLOCK_N"] % page == 0,
-            KV_AHEAD=p.get("KV_AHEAD", False), QUANT_OUT=quant is not None,
+            KV_AHEAD=p.get("KV_AHEAD", False), PIN_K=p.get("PIN_K", False), QUANT_OUT=quant is not None,
             ROPE=rope is not None, QK_NORM=rope is not None and rope.qk_norm is not None,
             ROT=rope.cos_sin_cache.shape[-1] if rope is not None else 0, FAST_CVT=fast,
             num_warps=p["num_warps"], num_stages=p["num_stages"], **launch_args(q, pdl),

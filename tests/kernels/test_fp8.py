@@ -512,10 +512,16 @@ def test_fp8_w8a16_experts_gpu(case):
     run_w8a16_moe_case(case, "cuda", _gpu_fp8())
 
 
-def _fp8_kv_attention(ctx: list[int], q_len: int, hk: int, hq: int, int_convert: bool):
+FP8_KV_MODES = ["f16", "f16-pin-k", "int", "cvt"]  # how the kernel reads e4m3 K/V (_fp8_kv_attention)
+
+
+def _fp8_kv_attention(ctx: list[int], q_len: int, hk: int, hq: int, mode: str):
     """(Triton, reference) attention of q_len new tokens a sequence over an fp8 cache of contexts ctx
-    (16-token pages in a shuffled table, head dim 128), both reading the same cache contents."""
+    (16-token pages in a shuffled table, head dim 128), both reading the same cache contents. mode:
+    K/V into f16 by cvt, f16 with K's conversion pinned (the PIN_K plan knob), bf16 by integer ops,
+    bf16 by Triton's conversion."""
     from tandem.kernels.attention import paged_attention_ref
+    from tandem.kernels.triton import attention
     from tandem.kernels.triton.attention import paged_attention_triton
     dtype = _gpu_fp8()
     torch.manual_seed(0)
@@ -527,24 +533,30 @@ def _fp8_kv_attention(ctx: list[int], q_len: int, hk: int, hq: int, int_convert:
     table = torch.randperm(seqs * pages, device="cuda", dtype=torch.int32).view(seqs, pages)
     seq_lens = torch.tensor(ctx, device="cuda", dtype=torch.int32)
     qsl = torch.arange(seqs + 1, device="cuda", dtype=torch.int32) * q_len
-    out = paged_attention_triton(q, k_cache, v_cache, table, seq_lens, qsl, d ** -0.5, q_len, max_ctx,
-                                 int_convert=int_convert)
+    rule = attention._launch_plans
+    if mode == "f16-pin-k":
+        attention._launch_plans = lambda *a, **kw: [dict(p, PIN_K=True) for p in rule(*a, **kw)]
+    try:
+        out = paged_attention_triton(q, k_cache, v_cache, table, seq_lens, qsl, d ** -0.5, q_len, max_ctx,
+                                     int_convert=mode == "int", kv_f16=mode.startswith("f16"))
+    finally:
+        attention._launch_plans = rule
     return out, paged_attention_ref(q, k_cache, v_cache, table, seq_lens, qsl, d ** -0.5)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("int_convert", [True, False])
+@pytest.mark.parametrize("mode", FP8_KV_MODES)
 @pytest.mark.parametrize("q_len", [1, 37])
-def test_paged_attention_fp8_kv_gpu(q_len, int_convert):
+def test_paged_attention_fp8_kv_gpu(q_len, mode):
     """The Triton attention reads an fp8 cache like the reference does (same cache contents), with
-    the e4m3 -> bf16 conversion by integer ops (kernels/triton/e4m3.py) or by cvt."""
-    out, ref = _fp8_kv_attention([150], q_len, hk=2, hq=8, int_convert=int_convert)
+    K/V read into f16 (kernels/triton/e4m3.py e4m3_to_f16), or into bf16 by integer ops or by cvt."""
+    out, ref = _fp8_kv_attention([150], q_len, hk=2, hq=8, mode=mode)
     assert _rel(out, ref) < 2e-2
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("int_convert", [True, False])
-def test_paged_attention_fp8_kv_decode_batch_gpu(int_convert):
+@pytest.mark.parametrize("mode", FP8_KV_MODES)
+def test_paged_attention_fp8_kv_decode_batch_gpu(mode):
     """A full decode batch over an fp8 cache (64 sequences, Llama-3-8B heads): the grid is large enough
     that the launch has no split-K (the b=64 roofline's plan, which the single-sequence cases above
     never take), against the reference on the same cache."""
@@ -554,7 +566,7 @@ def test_paged_attention_fp8_kv_decode_batch_gpu(int_convert):
     q = torch.empty(seqs, hq, 128, device="cuda", dtype=torch.bfloat16)  # (the plan reads its shape only)
     plans = _launch_plans(q, hq // hk, seqs, hk, 1, max(ctx), kv_bytes=1)
     assert len(plans) == 1 and plans[0]["NUM_SPLITS"] == 1, plans
-    out, ref = _fp8_kv_attention(ctx, 1, hk, hq, int_convert)
+    out, ref = _fp8_kv_attention(ctx, 1, hk, hq, mode)
     assert _rel(out, ref) < 2e-2
 
 
@@ -626,31 +638,37 @@ def test_fp8_gemm_plans_compile_for_sm90():
         assert compiled.metadata.shared <= SMEM_LIMIT, (what, compiled.metadata.shared)
 
 
-@pytest.mark.parametrize("kv_ahead,quant_out", [(False, False), (True, False), (False, True)])
-def test_fp8_cache_decode_attention_compiles_for_sm90(kv_ahead, quant_out):
+@pytest.mark.parametrize("cvt,kv_ahead,quant_out,splits,pin_k", [
+    (1, False, False, 1, False), (1, True, False, 1, False), (1, False, True, 1, False),
+    (2, False, False, 1, False), (2, False, False, 1, True), (2, False, True, 1, False), (2, False, False, 4, False),
+    (2, True, False, 4, False)])
+def test_fp8_cache_decode_attention_compiles_for_sm90(cvt, kv_ahead, quant_out, splits, pin_k):
     """Without a GPU: decode attention over an e4m3 cache (Llama-3-8B heads, rope fused, 64-key tiles)
-    compiles for sm_90 to bf16 tensor-core instructions, with Triton's cp.async pipelining at 2
-    stages, and with KV_AHEAD at 1 stage pipelined by hand (plain loads a tile ahead, no cp.async);
-    QUANT_OUT (its output written as the o projection's fp8 input) changes only the epilogue."""
+    compiles for sm_90 to tensor-core instructions, bf16 fed by the integer conversion (FAST_CVT 1) or
+    f16 fed by cvt.rn.f16x2.e4m3x2 (2), with Triton's cp.async pipelining at 2 stages, and with
+    KV_AHEAD at 1 stage pipelined by hand (plain loads a tile ahead, no cp.async); QUANT_OUT (its
+    output written as the o projection's fp8 input) changes only the epilogue."""
     from tandem.kernels.triton.attention import _paged_attention_kernel
     ptrs = dict(q_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", out_ptr="*bf16", part_acc_ptr="*fp32",
                 part_ml_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32",
                 qk_scale="fp32", k_new_ptr="*bf16", v_new_ptr="*bf16", pos_ptr="*i64", cos_sin_ptr="*bf16",
                 slot_ptr="*i64", qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32", q8_ptr="*fp8e4nv", q8s_ptr="*fp32",
                 fp8_max="fp32")
-    consts = dict(GROUP=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128, D_PAD=128, PAGE=16, NUM_SPLITS=1,
+    consts = dict(GROUP=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128, D_PAD=128, PAGE=16, NUM_SPLITS=splits,
                   HEAVY_FIRST=True, OFFS_32=True, DENSE=False, BT_SCALAR=False, ROPE=True, QK_NORM=False, ROT=128,
-                  FAST_CVT=True, PDL=True, KV_AHEAD=kv_ahead, QUANT_OUT=quant_out)
-    compiled = _compile_sm90(_paged_attention_kernel, ptrs, consts, 4, 1 if kv_ahead else 2)
+                  FAST_CVT=cvt, PDL=True, KV_AHEAD=kv_ahead, QUANT_OUT=quant_out, PIN_K=pin_k)
+    compiled = _compile_sm90(_paged_attention_kernel, ptrs, consts, 8 if splits > 1 else 4, 1 if kv_ahead else 2)
     ptx = compiled.asm["ptx"]
-    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    ty = "f16" if cvt == 2 else "bf16"
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32" in ptx
+    assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (cvt == 2)
     assert ("cp.async" in ptx) != kv_ahead
     assert compiled.metadata.shared <= SMEM_LIMIT
     if not kv_ahead:
         # the V tile's e4m3 conversion stays in the load's layout (PIN_V): no byte-wide shared-memory
         # reads, which the conversion moved behind the dot operand's layout compiled to (64 a warp a tile)
         sass = _sass(compiled.asm["cubin"])
-        assert "LDSM.16.MT88" in sass  # V reaches the dot as bf16 through ldmatrix.trans
+        assert "LDSM.16.MT88" in sass  # V reaches the dot through ldmatrix.trans
         assert "LDS.U8" not in sass
 
 
