@@ -132,12 +132,14 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / max(total, 1)
 
 
-def kv_cache_bytes(name: str, batch: int, context: int, steps: int) -> int:
-    """A KV cache for this run only, so that one engine per variant fits beside the others."""
+def kv_cache_bytes(name: str, batch: int, context: int, steps: int, kv_cache_dtype: str = "auto") -> int:
+    """A KV cache for this run only, so that one engine per variant fits beside the others: the
+    batch's tokens, and never less than one sequence of MAX_MODEL_LEN (the engine's own check)."""
     cfg = MODELS[name]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2  # bf16 k and v
-    return per_token * batch * (context + steps + 64) + (256 << 20)
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim  # k and v, one byte each
+    per_token *= 1 if kv_cache_dtype == "fp8" else 2  # (bf16 otherwise)
+    return per_token * max(batch * (context + steps + 64), MAX_MODEL_LEN + 64) + (256 << 20)
 
 
 def main() -> None:
@@ -167,7 +169,8 @@ def main() -> None:
             with plans_installed(tuned_plans(v)):
                 engines[v] = build(name, args.fp8, kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=4096,
                                    max_num_seqs=max(8, args.batch), max_model_len=MAX_MODEL_LEN,
-                                   kv_cache_memory_bytes=kv_cache_bytes(name, args.batch, args.context, args.steps),
+                                   kv_cache_memory_bytes=kv_cache_bytes(name, args.batch, args.context, args.steps,
+                                                                        args.kv_cache_dtype),
                                    cuda_graph_sizes=(args.batch,), async_scheduling=True,
                                    enable_prefix_caching=False,  # every run prefills alike, so tokens compare
                                    **fields).engine

@@ -26,6 +26,18 @@ def test_decode_keeps_every_sequence_through_the_timed_steps(monkeypatch):
     assert ab_decode.agreement(runs[0][1], runs[1][1]) == 1.0
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_kv_cache_bytes_hold_one_sequence_of_the_model_length_at_batch_1(monkeypatch, kv_cache_dtype):
+    """kv_cache_bytes sizes the cache by the batch's tokens in the engine's own bytes a token (an fp8
+    cache's too), and at batch 1 never below MAX_MODEL_LEN, which the engine refuses to start under."""
+    monkeypatch.setitem(roofline.MODELS, "tiny-dense", TINY)
+    runner = roofline.build("tiny-dense", device="cpu", max_model_len=64, kv_cache_dtype=kv_cache_dtype).engine.runner
+    per_token = runner.kv_bytes_per_block() // runner.block_size
+    tokens = [(ab_decode.kv_cache_bytes("tiny-dense", b, 1024, 64, kv_cache_dtype) - (256 << 20)) / per_token
+              for b in (1, 64)]  # (less its fixed margin)
+    assert tokens[0] >= ab_decode.MAX_MODEL_LEN and tokens[1] == 64 * (1024 + 64 + 64)
+
+
 def test_plans_variant_puts_plan_tunes_best_plans_in_the_tables_while_building(tmp_path):
     from tandem.kernels.triton import fp8_skinny, linear, moe
     key, plan = (64, 4096, 4096, 128), {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4, "QUANT": False,
