@@ -477,8 +477,9 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
     if kv_bytes == 1 and splits > 1:
         # split-K over an fp8 cache (a small grid, a tile or two a program: latency): 8 warps share
         # each tile's loads and e4m3 conversion. Decode b=1 graph replay on an H200, chosen in the step
-        # (benchmarks/plan_tune.py, 2026-11-28): Qwen3-30B-A3B 2783 -> 2583 us, Llama-3-8B 2888 -> 2825
-        narrow["num_warps"] = 8
+        # (benchmarks/plan_tune.py, 2026-11-28): Qwen3-30B-A3B 2783 -> 2583 us, Llama-3-8B 2888 -> 2825;
+        # with K/V read into f16, 2 stages (2026-11-29): Llama-3-8B 2791 -> 2772, Qwen3-30B-A3B 2462 -> 2455
+        narrow.update(num_warps=8, num_stages=2)
         if num_kv_heads <= 4:
             # few KV heads: with 128-key tiles only heads x (context / 128) programs have keys (32 of
             # Qwen3-30B-A3B's at 1k); 64-key tiles double them, and KV_AHEAD issues each tile's loads

@@ -284,8 +284,9 @@ def _config(num_pairs: int, num_experts: int, dtype: torch.dtype, fp8_weights: b
 
 # The W8A16 plan at a block per pair, chosen inside the Qwen3-30B-A3B decode step (benchmarks/plan_tune.py:
 # 4 warps and 3 stages in the second GEMM took the step's graph replay from 2921 to 2768 us on an H200,
-# 2026-11-28, where the cold sweep of benchmarks/fp8_moe.py --w8a16 had picked 2 warps).
-W8A16_PAIRS = dict(BLOCK_M=16, BLOCK_N1=32, BLOCK_N2=64, BLOCK_K=128, num_warps=4, num_stages=4, num_stages2=3)
+# 2026-11-28, where the cold sweep of benchmarks/fp8_moe.py --w8a16 had picked 2 warps; 128-wide strips in
+# the second GEMM, 2463 -> 2450 us, 2026-11-29, benchmarks/RESULTS.md).
+W8A16_PAIRS = dict(BLOCK_M=16, BLOCK_N1=32, BLOCK_N2=128, BLOCK_K=128, num_warps=4, num_stages=4, num_stages2=3)
 
 
 def moe_gemm_meta(cfg: dict, gemm: int, block_k: int | None) -> dict:
