@@ -587,6 +587,9 @@ def _compile_sm90(fn, types: dict, consts: dict, num_warps: int, num_stages: int
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     names = fn.arg_names
+    unset = [p.name for p in fn.params if p.is_constexpr and p.name not in consts and not p.has_default]
+    assert not unset, f"{fn.__name__}: constexprs {unset} have no value (they would compile as runtime ints)"
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     div16 = [n for n in names if n.endswith("_ptr") or n.startswith("stride_") or n in ("N", "K")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16 if n not in consts}
@@ -690,7 +693,8 @@ def _sass(cubin: bytes) -> str:
 def test_fp8_w8a16_plans_compile_for_sm90(block_k):
     """Without a GPU: every W8A16 plan of the Llama-3-8B and Qwen3-30B-A3B projections (fp8 weights
     in the bf16 skinny GEMM, with either pending-norm side) compiles for sm_90 to bf16 tensor-core
-    instructions fed by e4m3 conversions, with pipelined (cp.async) weight loads."""
+    instructions fed by the integer e4m3 conversion (kernels/triton/e4m3.py, as the kernels run on
+    CUDA: byte permutes, no cvt), with pipelined (cp.async) weight loads."""
     from tandem.kernels.triton.linear import _skinny_gemm_kernel, w8_scale_kind, w8a16_plans
     ptrs = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32",
                 res_ptr="*bf16", g_ptr="*bf16", sg_ptr="*bf16", ss_ptr="*fp32", ss_in_ptr="*fp32", eps="fp32",
@@ -702,9 +706,10 @@ def test_fp8_w8a16_plans_compile_for_sm90(block_k):
             consts = dict(BLOCK_M=16, SPLIT_K=p.pop("SPLIT_K"), EVEN_K=True, PRELOAD=p.pop("PRELOAD", True),
                           NORM_OUT=norm_out, NORM_IN=not norm_out, S_PAD=256,
                           W_SCALE=w8_scale_kind(1 if block_k is None else 2, (128, 128), (p["BLOCK_N"], 0)),
-                          PDL=True, **p)
+                          FAST_CVT=True, PDL=True, **p)
             compiled = _compile_sm90(_skinny_gemm_kernel, ptrs, consts, warps, stages)
             ptx, what = compiled.asm["ptx"], (block_k, plan, norm_out)
-            assert "e4m3" in ptx and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx, what
+            assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx, what
+            assert "prmt.b32" in ptx and "cvt.rn.f16x2.e4m3x2" not in ptx, what
             assert "cp.async" in ptx, what
             assert compiled.metadata.shared <= SMEM_LIMIT, (what, compiled.metadata.shared)
