@@ -331,7 +331,7 @@ def _paged_attention_kernel(
     else:
         q = tl.load(q_rows + d_off[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     if FAST_CVT == 2:
-        q = q.to(tl.float16)  # (bf16 -> f16 is exact below 65504: 3 more mantissa bits, 3 fewer exponent)
+        q = q.to(tl.float16)  # (exact for 2^-14 <= |q| <= 65504: 3 more mantissa bits, 3 fewer exponent)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if DENSE:  # the whole context is this step's new tokens (a prefill from position 0): read them
@@ -532,7 +532,8 @@ def paged_attention_triton(
     kernels.rotary.rotary_store_kvcache would have done in a launch of its own.
     int_convert: an e4m3 cache is read into bf16 by integer ops (kernels/triton/e4m3.py) on CUDA.
     kv_f16: before that, an e4m3 cache under bf16 q is read into f16 by cvt (kernels/triton/e4m3.py
-    e4m3_to_f16) on CUDA and the dots run in f16, q taken to f16 (exact for |q| < 65504).
+    e4m3_to_f16) on CUDA and the dots run in f16, q taken to f16 (exact for 2^-14 <= |q| <= 65504; below,
+    f16 subnormals; a model whose q passes 65504 needs --no-fp8-kv-f16).
     quant = (fp8 dtype, D): the output is written as the o projection's FP8 input instead,
     (q [T, Hq * D] fp8, s [T, Hq] float32) as kernels.fp8.quantize_rows writes it in groups of D.
     """
