@@ -156,8 +156,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     configs = {v: kernel_fields(v) for v in args.variants}  # unknown names fail before any model is built
-    for v in args.variants:
-        tuned_plans(v)  # (as does a plans file that cannot be read or put in the tables)
+    plans = {v: tuned_plans(v) for v in args.variants}  # (as does a plans file that cannot be read)
     bw = copy_bandwidth()
     dev = torch.cuda.get_device_name()
     print(f"{dev}: copy bandwidth {bw / 1e9:.0f} GB/s (measured now)", flush=True)
@@ -166,7 +165,7 @@ def main() -> None:
         moe = "moe" in MODELS[name]["model_type"]
         engines = {}
         for v, fields in configs.items():
-            with plans_installed(tuned_plans(v)):
+            with plans_installed(plans[v]):
                 engines[v] = build(name, args.fp8, kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=4096,
                                    max_num_seqs=max(8, args.batch), max_model_len=MAX_MODEL_LEN,
                                    kv_cache_memory_bytes=kv_cache_bytes(name, args.batch, args.context, args.steps,
