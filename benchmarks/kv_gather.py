@@ -7,9 +7,13 @@ The Llama-3-8B b=64 attention over an fp8 cache runs at about 1.75x its K/V byte
 (benchmarks/RESULTS.md). If the NHD gather alone is near the copy rate, that gap is the attention's
 own work; if NHD is slow and HND fast, it is the layout.
 
-Each program reads one (sequence, KV head) of K and V, BLOCK_N keys a turn, as 32-bit words (an fp8
-head of 128 values is 32 words) and XORs them together: one integer op a word, no conversion. The
-result is checked against a torch reference before anything is timed.
+Each program reads one (sequence, KV head) of K and V, or with SPLIT > 1 a 1 / SPLIT share of its
+keys, BLOCK_N keys a turn, as 32-bit words (an fp8 head of 128 values is 32 words) and XORs them
+together: one integer op a word, no conversion. The result is checked against a torch reference
+before anything is timed. Two rows read the same bytes with the pages in order, no shuffle; one
+pair reads them with no block table (each program one contiguous run, the same tiles); one
+row times a torch copy of K (the same bytes moved: K read, written back): the copy rate at this
+size, against the 4 GiB copy the ceiling is measured on.
 
   python -m benchmarks.kv_gather --batch 64 --context 1024
 """
@@ -21,27 +25,66 @@ import triton
 import triton.language as tl
 
 HK, D, PAGE = 8, 128, 16  # Llama-3-8B's KV heads and head dim; the engine's page
-# (BLOCK_N, num_warps, num_stages): the attention's b=64 plan first, then its neighbours
-PLANS = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 3), (128, 4, 3), (64, 8, 3), (128, 8, 3)]
+# (BLOCK_N, num_warps, num_stages, SPLIT): the attention's b=64 plan first, then its neighbours, then
+# more loads in flight: more warps a program, or each sequence's keys split over SPLIT programs
+PLANS = [(64, 4, 2, 1), (64, 4, 3, 1), (32, 4, 3, 1), (128, 4, 3, 1), (64, 8, 3, 1), (128, 8, 3, 1),
+         (64, 16, 3, 1), (64, 4, 2, 2), (64, 8, 3, 2), (64, 4, 2, 4), (64, 8, 3, 4)]
 
 
 @triton.jit
 def _gather_kernel(k_ptr, v_ptr, bt_ptr, out_ptr, ctx, stride_bt, stride_kb, stride_ko, stride_kh,
                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
-    """out[seq, head] = XOR of every word of the sequence's K and V rows of this head (ctx keys, a
-    multiple of BLOCK_N), read BLOCK_N keys at a time through the block table. Strides in words."""
+    """out[split, seq, head] = XOR of every word of the K and V rows of this head in the split's
+    share of the sequence's ctx keys (ctx / SPLIT, a multiple of BLOCK_N), read BLOCK_N keys at a
+    time through the block table. Strides in words."""
     head = tl.program_id(0)
     seq = tl.program_id(1)
+    split = tl.program_id(2)
     n = tl.arange(0, BLOCK_N)
     w = tl.arange(0, WORDS)
     acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.int32)
-    for start in range(0, ctx, BLOCK_N):
+    share = ctx // tl.num_programs(2)
+    for start in range(split * share, (split + 1) * share, BLOCK_N):
         keys = start + n
         block = tl.load(bt_ptr + seq * stride_bt + keys // PAGE).to(tl.int64)
         rows = block * stride_kb + (keys % PAGE) * stride_ko + head * stride_kh
         ptrs = rows[:, None] + w[None, :]
         acc ^= tl.load(k_ptr + ptrs) ^ tl.load(v_ptr + ptrs)
-    tl.store(out_ptr + (seq * tl.num_programs(0) + head) * WORDS + w, tl.xor_sum(acc, axis=0))
+    slot = (split * tl.num_programs(1) + seq) * tl.num_programs(0) + head
+    tl.store(out_ptr + slot * WORDS + w, tl.xor_sum(acc, axis=0))
+
+
+@triton.jit
+def _flat_read_kernel(x_ptr, y_ptr, out_ptr, words, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """The gather's reads without the block table: program p XORs its contiguous 1 / programs share of
+    the words of x and of y (words of each, a multiple of BLOCK_N * WORDS * programs), one
+    [BLOCK_N, WORDS] tile of each a turn."""
+    share = words // tl.num_programs(0)
+    offs = tl.program_id(0).to(tl.int64) * share + tl.arange(0, BLOCK_N)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+    acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.int32)
+    for start in range(0, share, BLOCK_N * WORDS):
+        acc ^= tl.load(x_ptr + offs + start) ^ tl.load(y_ptr + offs + start)
+    tl.store(out_ptr + tl.program_id(0) * WORDS + tl.arange(0, WORDS), tl.xor_sum(acc, axis=0))
+
+
+def flat_read(k: torch.Tensor, v: torch.Tensor, programs: int, plan: tuple[int, int, int, int]) -> torch.Tensor:
+    """_flat_read_kernel over the caches' bytes in `programs` programs: [programs, D / 4] int32."""
+    block_n, warps, stages, _ = plan
+    kw, vw = (c.view(torch.int32).flatten() for c in (k, v))
+    words = k.shape[3] // 4
+    out = torch.empty(programs, words, dtype=torch.int32, device=k.device)
+    _flat_read_kernel[(programs,)](kw, vw, out, kw.numel(), BLOCK_N=block_n, WORDS=words, num_warps=warps,
+                                   num_stages=stages)
+    return out
+
+
+def flat_read_ref(k: torch.Tensor, v: torch.Tensor, programs: int) -> torch.Tensor:
+    """flat_read's result in torch."""
+    words = (k.view(torch.int32).flatten() ^ v.view(torch.int32).flatten()).view(programs, -1, k.shape[3] // 4)
+    acc = words[:, 0].clone()
+    for i in range(1, words.shape[1]):
+        acc ^= words[:, i]
+    return acc
 
 
 def head_major(cache: torch.Tensor) -> torch.Tensor:
@@ -50,17 +93,26 @@ def head_major(cache: torch.Tensor) -> torch.Tensor:
 
 
 def gather(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, ctx: int, hnd: bool,
-           plan: tuple[int, int, int]) -> torch.Tensor:
-    """The kernel over caches of one-byte values (NHD, or HND when hnd): [seqs, Hk, D / 4] int32."""
-    block_n, warps, stages = plan
+           plan: tuple[int, int, int, int]) -> torch.Tensor:
+    """The kernel over caches of one-byte values (NHD, or HND when hnd): [SPLIT, seqs, Hk, D / 4]
+    int32, one XOR per split (gather_ref's result is their XOR)."""
+    block_n, warps, stages, split = plan
     kw, vw = (c.view(torch.int32) for c in (k, v))  # [blocks, a, b, D / 4]
     seqs, heads, words = table.shape[0], k.shape[1 if hnd else 2], k.shape[3] // 4
-    out = torch.empty(seqs, heads, words, dtype=torch.int32, device=k.device)
+    out = torch.empty(split, seqs, heads, words, dtype=torch.int32, device=k.device)
     stride_ko, stride_kh = (kw.stride(2), kw.stride(1)) if hnd else (kw.stride(1), kw.stride(2))
-    _gather_kernel[(heads, seqs)](kw, vw, table, out, ctx, table.stride(0), kw.stride(0), stride_ko, stride_kh,
+    _gather_kernel[(heads, seqs, split)](kw, vw, table, out, ctx, table.stride(0), kw.stride(0), stride_ko, stride_kh,
                                   PAGE=k.shape[2 if hnd else 1], BLOCK_N=block_n, WORDS=words, num_warps=warps,
                                   num_stages=stages)
     return out
+
+
+def xor_splits(out: torch.Tensor) -> torch.Tensor:
+    """gather's per-split results [SPLIT, seqs, Hk, D / 4] XORed into [seqs, Hk, D / 4]."""
+    acc = out[0].clone()
+    for part in out[1:]:
+        acc ^= part
+    return acc
 
 
 def gather_ref(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, ctx: int) -> torch.Tensor:
@@ -77,13 +129,15 @@ def gather_ref(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, ctx: int) 
     return torch.stack(rows)
 
 
-def caches(seqs: int, ctx: int, device: str, seed: int = 0):
-    """Random one-byte K and V caches (NHD) of seqs sequences of ctx keys, their pages shuffled."""
+def caches(seqs: int, ctx: int, device: str, seed: int = 0, shuffled: bool = True):
+    """Random one-byte K and V caches (NHD) of seqs sequences of ctx keys, their pages shuffled (or
+    in order: each sequence's pages one contiguous run)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     pages = -(-ctx // PAGE)
     k, v = (torch.randint(0, 256, (seqs * pages, PAGE, HK, D), generator=g, dtype=torch.uint8).to(device)
             for _ in range(2))
-    table = torch.randperm(seqs * pages, generator=g).to(torch.int32).view(seqs, pages).to(device)
+    order = torch.randperm(seqs * pages, generator=g) if shuffled else torch.arange(seqs * pages)
+    table = order.to(torch.int32).view(seqs, pages).to(device)
     return k, v, table
 
 
@@ -104,15 +158,38 @@ def main() -> None:
           f"K+V {kv_bytes / 1e6:.1f} MB: floor {floor_us:.1f} us", flush=True)
     ref = gather_ref(k, v, table, args.context)
     hnd = (head_major(k), head_major(v))
+    in_order = torch.arange(table.numel(), dtype=torch.int32, device="cuda").view_as(table)
     rows = []
+
+    def run(what, kc, vc, tab, hnd_layout, plan):
+        want = ref if tab is table else gather_ref(kc, vc, tab, args.context)
+        if not torch.equal(xor_splits(gather(kc, vc, tab, args.context, hnd_layout, plan)), want):
+            raise SystemExit(f"{what} {plan}: the gather's result differs from the reference")
+        us = bench(lambda: gather(kc, vc, tab, args.context, hnd_layout, plan)) * 1e3
+        rows.append(dict(what=what, plan=plan, us=us, of_copy=floor_us / us))
+        print(f"{what} BLOCK_N {plan[0]:3d} warps {plan[1]:2d} stages {plan[2]} split {plan[3]}: {us:7.1f} us "
+              f"({floor_us / us:.0%} of the copy rate)", flush=True)
+
     for plan in PLANS:
-        for layout, (kc, vc) in (("NHD", (k, v)), ("HND", hnd)):
-            if not torch.equal(gather(kc, vc, table, args.context, layout == "HND", plan), ref):
-                raise SystemExit(f"{layout} {plan}: the gather's result differs from the reference")
-            us = bench(lambda: gather(kc, vc, table, args.context, layout == "HND", plan)) * 1e3
-            rows.append(dict(what=f"gather {layout}", plan=plan, us=us, of_copy=floor_us / us))
-            print(f"gather {layout} BLOCK_N {plan[0]:3d} warps {plan[1]} stages {plan[2]}: {us:7.1f} us "
-                  f"({floor_us / us:.0%} of the copy rate)", flush=True)
+        run("gather NHD", k, v, table, False, plan)
+        run("gather HND", *hnd, table, True, plan)
+    for plan in (PLANS[0], PLANS[4]):  # the same reads with each sequence's pages in order (no shuffle)
+        run("gather NHD, pages in order", k, v, in_order, False, plan)
+    for plan in (PLANS[0], PLANS[4]):  # the same bytes and tiles, no block table: each program one contiguous run
+        programs = args.batch * HK
+        if not torch.equal(flat_read(k, v, programs, plan), flat_read_ref(k, v, programs)):
+            raise SystemExit(f"flat read {plan}: the result differs from the reference")
+        us = bench(lambda: flat_read(k, v, programs, plan)) * 1e3
+        rows.append(dict(what="flat read", plan=plan, us=us, of_copy=floor_us / us))
+        print(f"flat read (no block table), {programs} programs, BLOCK_N {plan[0]:3d} warps {plan[1]:2d} stages "
+              f"{plan[2]}: {us:7.1f} us ({floor_us / us:.0%} of the copy rate)", flush=True)
+    # the copy rate at this size: a torch copy of K (its bytes read and written: the gather's bytes)
+    dst = torch.empty_like(k)
+    us = bench(lambda: dst.copy_(k)) * 1e3
+    del dst
+    rows.append(dict(what="torch copy of K (the same bytes moved)", us=us, of_copy=floor_us / us))
+    print(f"torch copy of K, {kv_bytes / 2e6:.1f} MB read and written: {us:.1f} us ({floor_us / us:.0%} of the copy "
+          "rate)", flush=True)
     q = torch.randn(args.batch, 4 * HK, D, device="cuda", dtype=torch.bfloat16)
     for c in (k, v):
         c.bitwise_and_(0xF7)  # no NaN bytes for the attention (e4m3's 0x7F / 0xFF): one exponent bit cleared
