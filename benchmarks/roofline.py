@@ -107,16 +107,23 @@ def kernel_kwargs(args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(KernelConfig)}
 
 
+def model_config(name: str, fp8: str = "none") -> dict:
+    """The Hugging Face config of MODELS[name]; fp8 "block" adds the block-scaled FP8 checkpoint's
+    quantization_config ([128, 128] blocks, as Qwen3-*-FP8 and DeepSeek-V3 ship), which
+    --load-format dummy builds fp8 weights and scales for."""
+    cfg = dict(MODELS[name])
+    if fp8 == "block":
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "weight_block_size": [128, 128]}
+    return cfg
+
+
 def build(name: str, fp8: str = "none", **kw):
     from tandem.engine import LLM
 
     d = Path(tempfile.mkdtemp()) / name
     d.mkdir()
-    cfg = dict(MODELS[name])
-    if fp8 == "block":
-        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                      "weight_block_size": [128, 128]}
-    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "config.json").write_text(json.dumps(model_config(name, fp8)))
     # compile-ahead off: the roofline times steps after its own warm-up, and start-up time is not measured
     kw.setdefault("compile_ahead", False)
     return LLM(str(d), load_format="dummy", dtype="bfloat16", quantization="fp8" if fp8 == "channel" else None, **kw)

@@ -4,8 +4,10 @@ cuda:1) where there are two, against a collocated server with the same flags, on
 time (equal batch composition).
 Reference: the collocated server's top_logprobs, compared with float equality (bf16 model).
 
-Models: the embedded default model, and a dummy Llama-3-8B-shaped model (`--load-format dummy`:
-both instances draw the same weights from the same --seed on the same device). Chunked cases set a
+Models: the embedded default model, a dummy Llama-3-8B-shaped model (`--load-format dummy`:
+both instances draw the same weights from the same --seed on the same device), and the seeds'
+kind of deployment on one GPU: a dummy Qwen3-30B-A3B-shaped block-scaled FP8 MoE (8 of its 48
+layers) with an fp8 KV cache (`--kv-cache-dtype fp8`), whose KV blocks move as fp8. Chunked cases set a
 step budget under the longer prompts (`--max-num-batched-tokens`), on collocated and PD alike, so
 those prompts are prefilled in several chunks (and, in write mode, pushed chunk by chunk)."""
 import importlib.util
@@ -82,19 +84,41 @@ def dummy_8b(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def dummy_moe_fp8(tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen3-30b-a3b-fp8")
+    subprocess.run([sys.executable, "-m", "benchmarks.dummy_model", "--shape", "qwen3-30b-a3b", "--fp8", "block",
+                    "--layers", "8", "--out", str(out)], check=True)
+    return out
+
+
+def _needs_fp8() -> None:
+    from tandem.kernels.fp8 import has_fp8_compute
+    if not has_fp8_compute(torch.device("cuda")):
+        pytest.skip("needs a GPU with FP8")
+
+
 @pytest.mark.parametrize("model,transport,step_budget,decode_gpu", [
     ("default", "ipc", None, 0), ("default", "ipc", 256, 0), ("llama3-8b", "ipc", None, 0),
-    ("llama3-8b", "ipc", 512, 0), pytest.param("default", "nixl", None, 0, marks=NIXL),
+    ("llama3-8b", "ipc", 512, 0), ("qwen3-moe-fp8", "ipc", None, 0), ("qwen3-moe-fp8", "ipc", 512, 0),
+    pytest.param("default", "nixl", None, 0, marks=NIXL),
     pytest.param("llama3-8b", "ipc", 512, 1, marks=TWO_GPUS),
     pytest.param("default", "nixl", 256, 1, marks=[NIXL, TWO_GPUS])])
-def test_pd_is_bitwise_collocated(model, transport, step_budget, decode_gpu, dummy_8b, tmp_path):
+def test_pd_is_bitwise_collocated(model, transport, step_budget, decode_gpu, request, tmp_path):
     # compile-ahead changes no numbers, only start-up time: five engines start here, so it is off
     args = ["--served-model-name", "default", "--kv-cache-memory-bytes", KV_BYTES, "--no-compile-ahead"]
     if step_budget:  # prompts longer than this take several prefill steps
         args += ["--max-num-batched-tokens", str(step_budget)]
-    if model != "default":
-        args += ["--model", str(dummy_8b), "--load-format", "dummy", "--max-model-len", "4096"]
-    vocab, max_len = (32000, 4096) if model != "default" else (4096, 1024)  # (default model: config.json)
+    vocab, max_len = 4096, 1024  # the default model (its config.json)
+    if model == "llama3-8b":
+        args += ["--model", str(request.getfixturevalue("dummy_8b")), "--load-format", "dummy",
+                 "--max-model-len", "4096"]
+        vocab, max_len = 32000, 4096
+    elif model == "qwen3-moe-fp8":
+        _needs_fp8()
+        args += ["--model", str(request.getfixturevalue("dummy_moe_fp8")), "--load-format", "dummy",
+                 "--max-model-len", "4096", "--kv-cache-dtype", "fp8"]
+        vocab, max_len = 151936, 4096
     colloc = ServerProcess(tmp_path / "collocated.log", args)
     try:
         wait_serving(colloc)
