@@ -60,7 +60,8 @@ def _flat_read_kernel(x_ptr, y_ptr, out_ptr, words, BLOCK_N: tl.constexpr, WORDS
     the words of x and of y (words of each, a multiple of BLOCK_N * WORDS * programs), one
     [BLOCK_N, WORDS] tile of each a turn."""
     share = words // tl.num_programs(0)
-    offs = tl.program_id(0).to(tl.int64) * share + tl.arange(0, BLOCK_N)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+    tile = tl.arange(0, BLOCK_N)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+    offs = tl.program_id(0).to(tl.int64) * share + tile
     acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.int32)
     for start in range(0, share, BLOCK_N * WORDS):
         acc ^= tl.load(x_ptr + offs + start) ^ tl.load(y_ptr + offs + start)
@@ -101,9 +102,9 @@ def gather(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, ctx: int, hnd:
     seqs, heads, words = table.shape[0], k.shape[1 if hnd else 2], k.shape[3] // 4
     out = torch.empty(split, seqs, heads, words, dtype=torch.int32, device=k.device)
     stride_ko, stride_kh = (kw.stride(2), kw.stride(1)) if hnd else (kw.stride(1), kw.stride(2))
-    _gather_kernel[(heads, seqs, split)](kw, vw, table, out, ctx, table.stride(0), kw.stride(0), stride_ko, stride_kh,
-                                  PAGE=k.shape[2 if hnd else 1], BLOCK_N=block_n, WORDS=words, num_warps=warps,
-                                  num_stages=stages)
+    _gather_kernel[(heads, seqs, split)](kw, vw, table, out, ctx, table.stride(0), kw.stride(0), stride_ko,
+                                         stride_kh, PAGE=k.shape[2 if hnd else 1], BLOCK_N=block_n, WORDS=words,
+                                         num_warps=warps, num_stages=stages)
     return out
 
 
@@ -129,15 +130,13 @@ def gather_ref(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, ctx: int) 
     return torch.stack(rows)
 
 
-def caches(seqs: int, ctx: int, device: str, seed: int = 0, shuffled: bool = True):
-    """Random one-byte K and V caches (NHD) of seqs sequences of ctx keys, their pages shuffled (or
-    in order: each sequence's pages one contiguous run)."""
+def caches(seqs: int, ctx: int, device: str, seed: int = 0):
+    """Random one-byte K and V caches (NHD) of seqs sequences of ctx keys, their pages shuffled."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     pages = -(-ctx // PAGE)
     k, v = (torch.randint(0, 256, (seqs * pages, PAGE, HK, D), generator=g, dtype=torch.uint8).to(device)
             for _ in range(2))
-    order = torch.randperm(seqs * pages, generator=g) if shuffled else torch.arange(seqs * pages)
-    table = order.to(torch.int32).view(seqs, pages).to(device)
+    table = torch.randperm(seqs * pages, generator=g).to(torch.int32).view(seqs, pages).to(device)
     return k, v, table
 
 
@@ -161,28 +160,30 @@ def main() -> None:
     in_order = torch.arange(table.numel(), dtype=torch.int32, device="cuda").view_as(table)
     rows = []
 
-    def run(what, kc, vc, tab, hnd_layout, plan):
-        want = ref if tab is table else gather_ref(kc, vc, tab, args.context)
-        if not torch.equal(xor_splits(gather(kc, vc, tab, args.context, hnd_layout, plan)), want):
-            raise SystemExit(f"{what} {plan}: the gather's result differs from the reference")
-        us = bench(lambda: gather(kc, vc, tab, args.context, hnd_layout, plan)) * 1e3
+    def run(what, plan, fn, want, combine=lambda out: out):
+        """combine(fn()) checked against want, then fn alone timed; a row and a line for it."""
+        if not torch.equal(combine(fn()), want):
+            raise SystemExit(f"{what} {plan}: the result differs from the reference")
+        us = bench(fn) * 1e3
         rows.append(dict(what=what, plan=plan, us=us, of_copy=floor_us / us))
         print(f"{what} BLOCK_N {plan[0]:3d} warps {plan[1]:2d} stages {plan[2]} split {plan[3]}: {us:7.1f} us "
               f"({floor_us / us:.0%} of the copy rate)", flush=True)
 
+    def gathered(kc, vc, tab, hnd_layout, plan):
+        return lambda: gather(kc, vc, tab, args.context, hnd_layout, plan)
+
     for plan in PLANS:
-        run("gather NHD", k, v, table, False, plan)
-        run("gather HND", *hnd, table, True, plan)
-    for plan in (PLANS[0], PLANS[4]):  # the same reads with each sequence's pages in order (no shuffle)
-        run("gather NHD, pages in order", k, v, in_order, False, plan)
-    for plan in (PLANS[0], PLANS[4]):  # the same bytes and tiles, no block table: each program one contiguous run
-        programs = args.batch * HK
-        if not torch.equal(flat_read(k, v, programs, plan), flat_read_ref(k, v, programs)):
-            raise SystemExit(f"flat read {plan}: the result differs from the reference")
-        us = bench(lambda: flat_read(k, v, programs, plan)) * 1e3
-        rows.append(dict(what="flat read", plan=plan, us=us, of_copy=floor_us / us))
-        print(f"flat read (no block table), {programs} programs, BLOCK_N {plan[0]:3d} warps {plan[1]:2d} stages "
-              f"{plan[2]}: {us:7.1f} us ({floor_us / us:.0%} of the copy rate)", flush=True)
+        run("gather NHD", plan, gathered(k, v, table, False, plan), ref, xor_splits)
+        run("gather HND", plan, gathered(*hnd, table, True, plan), ref, xor_splits)
+    in_order_ref = gather_ref(k, v, in_order, args.context)
+    programs = args.batch * HK
+    flat_ref = flat_read_ref(k, v, programs)
+    for plan in (PLANS[0], PLANS[4]):
+        # the same reads with each sequence's pages in order (no shuffle); the same bytes and tiles with no
+        # block table, each program one contiguous run
+        run("gather NHD, pages in order", plan, gathered(k, v, in_order, False, plan), in_order_ref, xor_splits)
+        run(f"flat read (no block table, {programs} programs)", plan, lambda: flat_read(k, v, programs, plan),
+            flat_ref)
     # the copy rate at this size: a torch copy of K (its bytes read and written: the gather's bytes)
     dst = torch.empty_like(k)
     us = bench(lambda: dst.copy_(k)) * 1e3
