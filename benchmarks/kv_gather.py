@@ -11,7 +11,9 @@ Each program reads one (sequence, KV head) of K and V, or with SPLIT > 1 a 1 / S
 keys, BLOCK_N keys a turn, as 32-bit words (an fp8 head of 128 values is 32 words) and XORs them
 together: one integer op a word, no conversion. The result is checked against a torch reference
 before anything is timed. Two rows read the same bytes with the pages in order, no shuffle; one
-pair reads them with no block table (each program one contiguous run, the same tiles); one
+pair reads them with no block table (each program one contiguous run, the same tiles); on Hopper
+and newer, TMA rows copy each page's rows of the head by a tensor descriptor, several pages in flight
+without the program's registers (what a TMA-fed attention's reads could do); one
 row times a torch copy of K (the same bytes moved: K read, written back): the copy rate at this
 size, against the 4 GiB copy the ceiling is measured on.
 
@@ -29,6 +31,7 @@ HK, D, PAGE = 8, 128, 16  # Llama-3-8B's KV heads and head dim; the engine's pag
 # more loads in flight: more warps a program, or each sequence's keys split over SPLIT programs
 PLANS = [(64, 4, 2, 1), (64, 4, 3, 1), (32, 4, 3, 1), (128, 4, 3, 1), (64, 8, 3, 1), (128, 8, 3, 1),
          (64, 16, 3, 1), (64, 4, 2, 2), (64, 8, 3, 2), (64, 4, 2, 4), (64, 8, 3, 4)]
+TMA_PLANS = [(4, 2), (4, 4), (4, 6), (4, 8), (1, 8)]  # (num_warps, stages) of the TMA gather (Hopper and newer)
 
 
 @triton.jit
@@ -86,6 +89,35 @@ def flat_read_ref(k: torch.Tensor, v: torch.Tensor, programs: int) -> torch.Tens
     for i in range(1, words.shape[1]):
         acc ^= words[:, i]
     return acc
+
+
+@triton.jit
+def _tma_gather_kernel(k_desc, v_desc, bt_ptr, out_ptr, pages, stride_bt, PAGE: tl.constexpr, WORDS: tl.constexpr,
+                       STAGES: tl.constexpr):
+    """_gather_kernel's result (one split) with each page's K and V rows of this head copied by TMA
+    (descriptors over the caches as [blocks * PAGE, Hk * WORDS] words), a page a turn, STAGES - 1
+    pages in flight: the copies take no registers or warps of the program while they fly."""
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    acc = tl.zeros([PAGE, WORDS], dtype=tl.int32)
+    for p in tl.range(0, pages, num_stages=STAGES):  # (the loads feed no dot: the loop's own stage count)
+        row = tl.load(bt_ptr + seq * stride_bt + p) * PAGE
+        acc ^= k_desc.load([row, head * WORDS]) ^ v_desc.load([row, head * WORDS])
+    tl.store(out_ptr + (seq * tl.num_programs(0) + head) * WORDS + tl.arange(0, WORDS), tl.xor_sum(acc, axis=0))
+
+
+def tma_gather(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, ctx: int, warps: int,
+               stages: int) -> torch.Tensor:
+    """_tma_gather_kernel over NHD caches of one-byte values: [seqs, Hk, D / 4] int32 (gather_ref's)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    blocks, page, heads, d = k.shape
+    words = d // 4
+    kd, vd = (TensorDescriptor.from_tensor(c.view(torch.int32).reshape(blocks * page, heads * words), [page, words])
+              for c in (k, v))
+    out = torch.empty(table.shape[0], heads, words, dtype=torch.int32, device=k.device)
+    _tma_gather_kernel[(heads, table.shape[0])](kd, vd, table, out, ctx // page, table.stride(0), PAGE=page,
+                                                WORDS=words, STAGES=stages, num_warps=warps)
+    return out
 
 
 def head_major(cache: torch.Tensor) -> torch.Tensor:
@@ -184,6 +216,10 @@ def main() -> None:
         run("gather NHD, pages in order", plan, gathered(k, v, in_order, False, plan), in_order_ref, xor_splits)
         run(f"flat read (no block table, {programs} programs)", plan, lambda: flat_read(k, v, programs, plan),
             flat_ref)
+    if torch.cuda.get_device_capability() >= (9, 0):  # TMA: the reads in flight without the program's registers
+        for warps, stages in TMA_PLANS:
+            run(f"TMA gather NHD, a page a turn, {stages - 1} pages in flight", (PAGE, warps, stages, 1),
+                lambda: tma_gather(k, v, table, args.context, warps, stages), ref)
     # the copy rate at this size: a torch copy of K (its bytes read and written: the gather's bytes)
     dst = torch.empty_like(k)
     us = bench(lambda: dst.copy_(k)) * 1e3
