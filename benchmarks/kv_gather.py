@@ -85,10 +85,7 @@ def flat_read(k: torch.Tensor, v: torch.Tensor, programs: int, plan: tuple[int, 
 def flat_read_ref(k: torch.Tensor, v: torch.Tensor, programs: int) -> torch.Tensor:
     """flat_read's result in torch."""
     words = (k.view(torch.int32).flatten() ^ v.view(torch.int32).flatten()).view(programs, -1, k.shape[3] // 4)
-    acc = words[:, 0].clone()
-    for i in range(1, words.shape[1]):
-        acc ^= words[:, i]
-    return acc
+    return xor_reduce(words, 1)
 
 
 @triton.jit
@@ -140,26 +137,20 @@ def gather(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, ctx: int, hnd:
     return out
 
 
-def xor_splits(out: torch.Tensor) -> torch.Tensor:
-    """gather's per-split results [SPLIT, seqs, Hk, D / 4] XORed into [seqs, Hk, D / 4]."""
-    acc = out[0].clone()
-    for part in out[1:]:
+def xor_reduce(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """The XOR of t's slices along dim (torch has no XOR reduction)."""
+    t = t.movedim(dim, 0)
+    acc = t[0].clone()
+    for part in t[1:]:
         acc ^= part
     return acc
 
 
 def gather_ref(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, ctx: int) -> torch.Tensor:
     """gather's result from an NHD cache in torch: [seqs, Hk, D / 4] int32."""
-    page = k.shape[1]
-    rows = []
-    for seq in range(table.shape[0]):
-        blocks = table[seq, :-(-ctx // page)].long()
-        words = (k[blocks].flatten(0, 1)[:ctx].view(torch.int32) ^ v[blocks].flatten(0, 1)[:ctx].view(torch.int32))
-        acc = torch.zeros_like(words[0])
-        for row in words:  # (no XOR reduction in torch)
-            acc ^= row
-        rows.append(acc)
-    return torch.stack(rows)
+    blocks = table[:, :-(-ctx // k.shape[1])].long()  # [seqs, pages]
+    keys = (k[blocks] ^ v[blocks]).flatten(1, 2)[:, :ctx]  # [seqs, ctx, Hk, D] bytes
+    return xor_reduce(keys.view(torch.int32), 1)
 
 
 def caches(seqs: int, ctx: int, device: str, seed: int = 0):
@@ -205,15 +196,15 @@ def main() -> None:
         return lambda: gather(kc, vc, tab, args.context, hnd_layout, plan)
 
     for plan in PLANS:
-        run("gather NHD", plan, gathered(k, v, table, False, plan), ref, xor_splits)
-        run("gather HND", plan, gathered(*hnd, table, True, plan), ref, xor_splits)
+        run("gather NHD", plan, gathered(k, v, table, False, plan), ref, xor_reduce)
+        run("gather HND", plan, gathered(*hnd, table, True, plan), ref, xor_reduce)
     in_order_ref = gather_ref(k, v, in_order, args.context)
     programs = args.batch * HK
     flat_ref = flat_read_ref(k, v, programs)
     for plan in (PLANS[0], PLANS[4]):
         # the same reads with each sequence's pages in order (no shuffle); the same bytes and tiles with no
         # block table, each program one contiguous run
-        run("gather NHD, pages in order", plan, gathered(k, v, in_order, False, plan), in_order_ref, xor_splits)
+        run("gather NHD, pages in order", plan, gathered(k, v, in_order, False, plan), in_order_ref, xor_reduce)
         run(f"flat read (no block table, {programs} programs)", plan, lambda: flat_read(k, v, programs, plan),
             flat_ref)
     if torch.cuda.get_device_capability() >= (9, 0):  # TMA: the reads in flight without the program's registers

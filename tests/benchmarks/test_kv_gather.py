@@ -16,7 +16,7 @@ def _child() -> None:
     out = {}
     for block_n, split in ((32, 1), (64, 1), (128, 1), (32, 2), (64, 2)):
         for hnd, (kc, vc) in ((False, (k, v)), (True, (kv_gather.head_major(k), kv_gather.head_major(v)))):
-            got = kv_gather.xor_splits(kv_gather.gather(kc, vc, table, 128, hnd, (block_n, 4, 2, split)))
+            got = kv_gather.xor_reduce(kv_gather.gather(kc, vc, table, 128, hnd, (block_n, 4, 2, split)))
             out[f"{block_n}/{split} {'HND' if hnd else 'NHD'}"] = bool((got == ref).all())
     for stages in (2, 4):
         out[f"tma {stages}"] = bool(torch.equal(kv_gather.tma_gather(k, v, table, 128, 4, stages), ref))
