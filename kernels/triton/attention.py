@@ -437,6 +437,7 @@ def _merge_splits_kernel(
 
 
 _ALL_Q = (0, 2**31 - 1)
+FEW_PROGRAMS = 16  # a decode grid of up to this many (sequence, KV head) programs takes the split-K plans of batch 1
 
 
 def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
@@ -467,14 +468,25 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
     block_n = 128 if small else 64
     splits = 1
     sms = num_sms(q.device)
+    # a mid-sized grid over an fp8 cache (more programs than a batch of one or two takes, fewer than two an SM)
+    mid = kv_bytes == 1 and FEW_PROGRAMS < programs < 2 * sms
     if 0 < programs < 2 * sms:
         splits = triton.next_power_of_2(triton.cdiv(2 * sms, programs))
+        if mid:  # at most two programs an SM, not the next power of two past it
+            splits = 2 ** ((2 * sms // programs).bit_length() - 1)
         max_by_memory = 2**26 // (num_tokens * num_heads * d_pad * 4)  # partials under 64 MiB
         splits = min(splits, 64, triton.next_power_of_2(max(1, kv_bound // block_n)))
         splits = max(1, min(splits, 2 ** (max(1, max_by_memory).bit_length() - 1)))
     narrow = dict(BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=4,
                   num_stages=3 if kv_bytes == 1 else 2)
-    if kv_bytes == 1 and splits > 1:
+    if mid:
+        # 4 warps a program, 2 stages, the tiles as wide as the head size allows, split or not: against the
+        # plans below (made for one or two sequences, and for a full grid), kernel-level on an H200 over an
+        # fp8 cache (2026-11-29, .dev sweep of 56 plans a shape, RESULTS.md): 32 sequences x 1k keys, 4 KV
+        # heads 51.2 -> 26.9 us, 8 KV heads 45.3 -> 38.0; 64 x 1k, 4 KV heads 75.6 -> 38.0; 16 x 4k, 8 KV
+        # heads 75.6 -> 66.2
+        narrow.update(num_stages=2)
+    elif kv_bytes == 1 and splits > 1:
         # split-K over an fp8 cache (a small grid, a tile or two a program: latency): 8 warps share
         # each tile's loads and e4m3 conversion. Decode b=1 graph replay on an H200, chosen in the step
         # (benchmarks/plan_tune.py, 2026-11-28): Qwen3-30B-A3B 2783 -> 2583 us, Llama-3-8B 2888 -> 2825;
@@ -487,7 +499,7 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
             # 30B-A3B b=1 2.583 / 2.587 -> 2.516 / 2.521 ms; Llama-3-8B (8 KV heads) 2.808 / 2.812 ->
             # 2.922 / 2.923 with the same plan, so it keeps 128-key tiles.
             narrow.update(BLOCK_N=64, KV_AHEAD=True)
-    if kv_bytes == 1 and splits == 1 and q.is_cuda and torch.version.cuda is not None:
+    if kv_bytes == 1 and splits == 1 and not mid and q.is_cuda and torch.version.cuda is not None:
         # a full grid over an fp8 cache: the 128-key tiles take 254 registers a thread (2 programs an
         # SM); 64-key tiles capped at 128 registers run 4, and 4 programs' loads in flight beat 2
         # (64 decodes at 1k / 4k context on an H100: 69.3 / 220.6 us against 74.4 / 236.4)

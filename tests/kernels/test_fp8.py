@@ -571,6 +571,46 @@ def test_paged_attention_fp8_kv_decode_batch_gpu(mode):
 
 
 
+def test_fp8_cache_decode_plans_by_grid(monkeypatch):
+    """The decode attention's plan over an fp8 cache by grid size (132 SMs, graph bound 8192 keys): a batch
+    of one or two keeps the split-K plans chosen in the b=1 step (8 warps; KV_AHEAD with 4 KV heads); a
+    mid-sized grid splits only up to two programs an SM, 4 warps, 128-key tiles; a bf16 cache as before."""
+    from tandem.kernels.triton import attention
+
+    monkeypatch.setattr(attention, "num_sms", lambda device: 132)
+
+    def plan(seqs, hk, kv_bytes=1):
+        q = torch.empty(seqs, 32, 128, dtype=torch.bfloat16)
+        (p,) = attention._launch_plans(q, 32 // hk, seqs, hk, 1, 8192, kv_bytes=kv_bytes)
+        return {k: v for k, v in p.items() if k not in ("Q_RANGE", "BLOCK_M")}
+
+    assert plan(1, 8) == dict(BLOCK_N=128, NUM_SPLITS=64, num_warps=8, num_stages=2)
+    assert plan(2, 8) == dict(BLOCK_N=128, NUM_SPLITS=32, num_warps=8, num_stages=2)
+    assert plan(4, 4) == dict(BLOCK_N=64, NUM_SPLITS=32, num_warps=8, num_stages=2, KV_AHEAD=True)
+    mid = dict(BLOCK_N=128, num_warps=4, num_stages=2)
+    assert [plan(s, hk) for s, hk in ((8, 4), (32, 4), (64, 4), (16, 8), (32, 8))] == [
+        dict(mid, NUM_SPLITS=8), dict(mid, NUM_SPLITS=2), dict(mid, NUM_SPLITS=1), dict(mid, NUM_SPLITS=2),
+        dict(mid, NUM_SPLITS=1)]
+    assert plan(32, 4, kv_bytes=2) == dict(BLOCK_N=128, NUM_SPLITS=4, num_warps=4, num_stages=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", FP8_KV_MODES)
+@pytest.mark.parametrize("seqs,hk", [(8, 4), (32, 4), (64, 4), (16, 8), (32, 8)])
+def test_paged_attention_fp8_kv_mid_batch_gpu(seqs, hk, mode):
+    """Decode batches whose grid is more than a batch of one or two takes and under two programs an SM
+    (the mid-grid plans: 4 warps, split-K only up to two programs an SM, or none), Llama-3-8B and
+    Qwen3-30B-A3B heads over an fp8 cache with ragged contexts, against the reference on the same cache."""
+    from tandem.kernels.triton.attention import _launch_plans
+    hq = 32
+    ctx = torch.randint(1, 1500, (seqs,), generator=torch.Generator().manual_seed(seqs)).tolist()
+    q = torch.empty(seqs, hq, 128, device="cuda", dtype=torch.bfloat16)  # (the plan reads its shape only)
+    plan = _launch_plans(q, hq // hk, seqs, hk, 1, max(ctx), kv_bytes=1)
+    assert len(plan) == 1 and plan[0]["num_warps"] == 4 and "KV_AHEAD" not in plan[0], plan
+    out, ref = _fp8_kv_attention(ctx, 1, hk, hq, mode)
+    assert _rel(out, ref) < 2e-2
+
+
 if __name__ == "__main__":
     _interpreter_main()
 
