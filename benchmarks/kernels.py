@@ -74,10 +74,10 @@ def record(kernel, shape, t_triton, t_torch, nbytes, flops, torch_name, **extra)
                      gbps=nbytes / t_triton / 1e6, tflops=flops / t_triton / 1e9, **extra))
 
 
-def paged_setup(batch, ctx, q_len):
+def paged_setup(batch, ctx, q_len, hk=HK):
     blocks = -(-ctx // PAGE)
     num_blocks = batch * blocks + 16
-    kc = torch.randn(num_blocks, PAGE, HK, D, device=DEV, dtype=BF16)
+    kc = torch.randn(num_blocks, PAGE, hk, D, device=DEV, dtype=BF16)
     vc = torch.randn_like(kc)
     bt = torch.randperm(num_blocks, device=DEV)[:batch * blocks].view(batch, blocks).int()
     seq_lens = torch.full((batch,), ctx, device=DEV, dtype=torch.int32)
@@ -341,23 +341,35 @@ def sweep_chunk_attention():
                 print(f"sweep chunk {chunk}@{ctx} {plan}: failed {str(e).splitlines()[0][:60]}")
 
 
-def sweep_decode_attention(kv_dtype: torch.dtype = BF16, regs_only: bool = False):
+DECODE_SWEEP_SHAPES = [(1, 1024, HK), (64, 1024, HK), (64, 4096, HK)]  # (sequences, context, KV heads)
+# grids between a batch of one or two and a full GPU, with Llama-3-8B's 8 KV heads and Qwen3-30B-A3B's 4
+DECODE_MID_SHAPES = [(8, 1024, 4), (16, 1024, 4), (32, 1024, 4), (64, 1024, 4), (32, 4096, 4), (16, 1024, 8),
+                     (32, 1024, 8), (16, 4096, 8)]
+
+
+def sweep_decode_attention(kv_dtype: torch.dtype = BF16, regs_only: bool = False, mid: bool = False):
     """Decode launch plans as a CUDA graph runs them: max_seq_len = max_model_len (8192), so the
     split count is fixed for the longest context and the keys per split adapt at run time. With an
     fp8 cache (kv_dtype) as the engine's --kv-cache-dtype fp8 stores it; GB/s counts K and V bytes.
-    Each plan's output is checked against paged_attention_ref first (relative error < 1e-2)."""
+    Each plan's output is checked against paged_attention_ref first (relative error < 1e-2).
+    mid: the DECODE_MID_SHAPES grids instead, over splits 1-16, 64/128-key tiles, 4/8 warps, 2/3
+    stages, and KV_AHEAD (at 1 stage) for the split plans."""
     from tandem.kernels.attention import paged_attention_ref
     from tandem.kernels.triton.attention import _launch_plans
-    for batch, ctx in [(1, 1024), (64, 1024), (64, 4096)]:
-        q, kc, vc, bt, sl, qsl = paged_setup(batch, ctx, 1)
+    for batch, ctx, hk in DECODE_MID_SHAPES if mid else DECODE_SWEEP_SHAPES:
+        q, kc, vc, bt, sl, qsl = paged_setup(batch, ctx, 1, hk)
         kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
-        kv = 2 * batch * ctx * HK * D * kc.element_size()
+        kv = 2 * batch * ctx * hk * D * kc.element_size()
         ref = paged_attention_ref(q, kc, vc, bt, sl, qsl, D**-0.5).float()
-        default = _launch_plans(q, HQ // HK, batch, HK, 1, 8192, kv_bytes=kc.element_size())[0]
+        default = _launch_plans(q, HQ // hk, batch, hk, 1, 8192, kv_bytes=kc.element_size())[0]
         t = bench(lambda: paged_attention_triton(q, kc, vc, bt, sl, qsl, D**-0.5, 1, 8192))
-        print(f"sweep decode B={batch} ctx={ctx} {kv_dtype} default {default}: {t * 1e3:.1f} us "
+        print(f"sweep decode B={batch} ctx={ctx} Hk={hk} {kv_dtype} default {default}: {t * 1e3:.1f} us "
               f"{kv / t / 1e6:.0f} GB/s", flush=True)
-        if default["NUM_SPLITS"] == 1:  # the grid fills the GPU: few or no splits
+        if mid:
+            space = [(bn, splits, w, 1 if ahead else st, ahead) for bn, splits, w, st, ahead
+                     in itertools.product((64, 128), (1, 2, 4, 8, 16), (4, 8), (2, 3), (False, True))
+                     if not ahead or (splits > 1 and st == 2)]
+        elif default["NUM_SPLITS"] == 1:  # the grid fills the GPU: few or no splits
             # 5 stages: K/V double-buffered (Triton gives the block table the first stage from 3 on)
             space = itertools.product((64, 128), (1, 2), (4, 8), (2, 3, 4, 5), (False, True))
         else:
@@ -366,21 +378,21 @@ def sweep_decode_attention(kv_dtype: torch.dtype = BF16, regs_only: bool = False
             tiles = ((128, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 4, 5))
             space = [(bn, default["NUM_SPLITS"], w, st, regs) for bn, w, st in tiles
                      for regs in (0, 168, 128, 96)]
-        for bn, splits, w, st, knob in space:  # knob: the register cap (regs_only), else BT_SCALAR
-            plan = dict(default, BLOCK_N=bn, NUM_SPLITS=splits, num_warps=w, num_stages=st,
-                        **(dict(maxnreg=knob) if regs_only else dict(BT_SCALAR=knob)))
+        for bn, splits, w, st, knob in space:  # knob: the register cap (regs_only), KV_AHEAD (mid), else BT_SCALAR
+            knobs = dict(maxnreg=knob) if regs_only else dict(KV_AHEAD=knob) if mid else dict(BT_SCALAR=knob)
+            plan = dict(default, BLOCK_N=bn, NUM_SPLITS=splits, num_warps=w, num_stages=st, **knobs)
             plan.pop("Q_RANGE")
             run = lambda: _paged_attention(q, kc, vc, bt, sl, qsl, D**-0.5, 1, 8192, plan=plan)  # noqa: E731
             try:
                 err = ((run().float() - ref).norm() / ref.norm()).item()
                 t = bench(run)
             except Exception as e:  # out of shared memory etc.
-                print(f"sweep decode B={batch} ctx={ctx} {plan}: failed {str(e).splitlines()[0][:60]}")
+                print(f"sweep decode B={batch} ctx={ctx} Hk={hk} {plan}: failed {str(e).splitlines()[0][:60]}")
                 continue
             if not err < 1e-2:
-                print(f"sweep decode B={batch} ctx={ctx} {plan}: WRONG, relative error {err:.3g}", flush=True)
+                print(f"sweep decode B={batch} ctx={ctx} Hk={hk} {plan}: WRONG, relative error {err:.3g}", flush=True)
                 continue
-            print(f"sweep decode B={batch} ctx={ctx} {plan}: {t * 1e3:.1f} us {kv / t / 1e6:.0f} GB/s", flush=True)
+            print(f"sweep decode B={batch} ctx={ctx} Hk={hk} {plan}: {t * 1e3:.1f} us {kv / t / 1e6:.0f} GB/s", flush=True)
 
 
 def sweep_moe():
@@ -441,13 +453,15 @@ def main():
                         help="the cache dtype of the decode sweep (fp8: e4m3, as --kv-cache-dtype fp8)")
     parser.add_argument("--max-regs", action="store_true",
                         help="the decode sweep times register caps (more programs per SM) on a few tile shapes instead")
+    parser.add_argument("--mid", action="store_true",
+                        help="the decode sweep's grids are 8-64 sequences with 4 or 8 KV heads (DECODE_MID_SHAPES)")
     args = parser.parse_args()
     torch.manual_seed(0)
     only = args.only.split(",") if args.only else list(SECTIONS)
     if args.sweep:
         kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else BF16
         sweeps = dict(attention=sweep_attention, chunk=sweep_chunk_attention,
-                      decode=lambda: sweep_decode_attention(kv_dtype, args.max_regs), moe=sweep_moe)
+                      decode=lambda: sweep_decode_attention(kv_dtype, args.max_regs, args.mid), moe=sweep_moe)
         for name, fn in sweeps.items():
             if name in only:
                 fn()
