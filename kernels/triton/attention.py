@@ -482,9 +482,10 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
     if mid:
         # 4 warps a program, 2 stages, the tiles as wide as the head size allows, split or not: against the
         # plans below (made for one or two sequences, and for a full grid), kernel-level on an H200 over an
-        # fp8 cache (2026-11-29, .dev sweep of 56 plans a shape, RESULTS.md): 32 sequences x 1k keys, 4 KV
-        # heads 51.2 -> 26.9 us, 8 KV heads 45.3 -> 38.0; 64 x 1k, 4 KV heads 75.6 -> 38.0; 16 x 4k, 8 KV
-        # heads 75.6 -> 66.2
+        # fp8 cache (2026-11-29, 56 plans a shape, `benchmarks.kernels --sweep --only decode --kv-dtype fp8
+        # --mid`): 32 sequences x 1k keys, 4 KV heads 51.2 -> 26.9 us, 8 KV heads 45.3 -> 38.0; 64 x 1k, 4 KV
+        # heads 75.6 -> 38.0; 16 x 4k, 8 KV heads 75.6 -> 66.2. The b=32 step: Qwen3-30B-A3B 10.52 -> 9.05 ms,
+        # Llama-3-8B 4.83 -> 4.66 (RESULTS.md, nineteenth session)
         narrow.update(num_stages=2)
     elif kv_bytes == 1 and splits > 1:
         # split-K over an fp8 cache (a small grid, a tile or two a program: latency): 8 warps share
