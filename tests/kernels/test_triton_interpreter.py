@@ -1,7 +1,8 @@
 """The Triton kernels' logic on CPU, in Triton's interpreter: the decode-path kernels the engine
 runs on a GPU by default (argmax, the decode GEMM with its split-K tickets and the RMSNorm it
 carries to the next GEMM, routing and that norm inside the expert GEMMs and the fused top-k sum,
-paged attention with split-K) against their torch
+the grouping of MoE pairs by expert, paged attention with split-K and its plans over an fp8 cache)
+against their torch
 references, so CI without a GPU checks them too. Timing, PDL and tile scheduling are a GPU's;
 tests/kernels/test_triton.py checks those there.
 
@@ -19,7 +20,7 @@ from tests.interpreter import run_under_interpreter
 CASES = ["argmax", "argmax_split_ties_nan", "skinny_gemm", "skinny_gemm_split", "skinny_gemm_pending_norm",
          "topk_routing", "routed_experts_decode", "routed_experts_pending_norm", "routed_experts_no_local_expert",
          "paged_attention_split", "paged_attention_rope", "paged_attention_prefill_scalar_table",
-         "paged_attention_kv_ahead", "paged_attention_quant_out"]
+         "paged_attention_kv_ahead", "paged_attention_quant_out", "paged_attention_fp8_mid_grid", "moe_align"]
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -215,6 +216,55 @@ def run_case(name: str) -> None:
                 assert got_q.shape == ref_q.shape and got_s.shape == ref_s.shape == (len(q), hq)
                 assert torch.equal(got_s, ref_s), (max_q, splits)
                 assert _rel(got_q.float(), ref_q.float()) < 0.1, (max_q, splits)
+    elif name == "paged_attention_fp8_mid_grid":
+        # the rule's plans over an e4m3 cache (4-key pages, a shuffled table) around the mid-grid bound: 8
+        # decodes x 2 KV heads (16 programs: the batch-of-one split plan, KV_AHEAD), and those with a 40-token
+        # prompt (18 programs: the mid-grid narrow launch, 2 splits, beside the wide launch for the prompt)
+        from tandem.kernels.attention import paged_attention_ref
+        from tandem.kernels.triton.attention import _launch_plans, _paged_attention
+        page, hq, hk, d, seqs = 4, 4, 2, 32, 9
+        lens = torch.randint(3, 300, (seqs,), dtype=torch.int32)
+        lens[-1] = 40
+        pages = (lens + page - 1) // page
+        kc = torch.randn(int(pages.sum()), page, hk, d).to(torch.float8_e4m3fn)
+        vc = torch.randn(int(pages.sum()), page, hk, d).to(torch.float8_e4m3fn)
+        perm, bt = torch.randperm(int(pages.sum()), dtype=torch.int32), torch.zeros(seqs, int(pages.max()),
+                                                                                   dtype=torch.int32)
+        for s_, (lo, n) in enumerate(zip((pages.cumsum(0) - pages).tolist(), pages.tolist())):
+            bt[s_, :n] = perm[lo:lo + n]
+        qsl = torch.tensor([0] + list(range(1, seqs)) + [seqs - 1 + 40], dtype=torch.int32)
+        q = torch.randn(seqs - 1 + 40, hq, d).half()
+        for n, max_q in ((seqs - 1, 1), (seqs, 40)):
+            args = (q[:int(qsl[n])], kc, vc, bt[:n], lens[:n], qsl[:n + 1], 0.2)
+            plans = _launch_plans(args[0], hq // hk, n, hk, max_q, 320, kv_bytes=1)
+            narrow = plans[0]
+            assert (narrow["num_warps"], narrow["NUM_SPLITS"], len(plans)) == ((8, 2, 1) if n == 8 else (4, 2, 2)), plans
+            out = _paged_attention(*args, max_q, 320)
+            assert _rel(out, paged_attention_ref(*args)) < 5e-3, n
+    elif name == "moe_align":
+        # grouping (token, slot) pairs by expert: the one-program kernel (atomic ranks) and the three-launch
+        # path; each expert's blocks hold exactly its pairs (in any order), ids out of range left out; the
+        # one-program kernel puts its counters back to zero (a second call sees them so)
+        from tandem.kernels.triton.device import tickets
+        from tandem.kernels.triton.moe_align import _align
+        for pairs, experts, block_m in ((24, 8, 16), (256, 128, 16), (1000, 64, 32), (1500, 128, 16)):
+            ids = torch.randint(0, experts, (pairs,), dtype=torch.int32)
+            ids[::7] = -1
+            ids[3] = experts  # (another rank's expert, as a local id past the range)
+            max_blocks = -(-pairs // block_m) + min(experts, pairs)
+            for _ in range(2):
+                rows, block_expert, block_rows = _align(ids, experts, block_m, max_blocks, pdl=False)
+                assert int(tickets(ids.device)[:experts].abs().sum()) == 0, pairs
+                got = {}
+                for b in range(max_blocks):
+                    e, n = int(block_expert[b]), int(block_rows[b])
+                    assert (e == -1) == (n == 0) and 0 <= n <= block_m, (pairs, b, e, n)
+                    if e >= 0:
+                        got.setdefault(e, []).extend(rows[b * block_m:b * block_m + n].tolist())
+                want = {e: sorted(torch.nonzero(ids == e).flatten().tolist()) for e in range(experts)}
+                assert {e: sorted(v) for e, v in got.items()} == {e: v for e, v in want.items() if v}, pairs
+                used = [int(e) for e in block_expert if e >= 0]
+                assert used == sorted(used), pairs  # experts' runs in expert order
     else:
         raise ValueError(f"unknown case {name}")
 
