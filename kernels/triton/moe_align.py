@@ -3,7 +3,8 @@
 The pairs are grouped by expert into blocks of BLOCK_M rows (each expert's run padded to a
 multiple of BLOCK_M); a block holds one expert, so each expert GEMM program streams that expert's
 weight tile once for all its rows. Small batches group in one Triton program, large ones in three
-launches (count per chunk, prefix, scatter); no host sync either way. Pairs with a negative (or
+launches (count per chunk, prefix, scatter); no host sync either way. In one program an expert's
+pairs take their rows in arrival order (atomics), in three launches in pair order. Pairs with a negative (or
 out-of-range) expert id (experts owned elsewhere) are left out.
 
 For max_blocks = cdiv(P, BLOCK_M) + min(E, P) blocks (P = T * top_k), _align returns:
@@ -15,10 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.triton.device import MAX_TICKETS, tickets
 from tandem.kernels.triton.pdl import launch_args, wait_previous
 
 _SMALL_PAIRS = 1024  # at most this many pairs: one-program grouping kernel
-_CHUNK = 128  # pairs per program (large batches) / per step (small batches)
+_CHUNK = 128  # pairs per program (large batches)
 
 @triton.jit
 def _rank_in_chunk(e, CHUNK: tl.constexpr):
@@ -54,28 +56,32 @@ def _write_blocks(counts, block_expert_ptr, block_rows_ptr, max_blocks,
 
 @triton.jit
 def _align_small_kernel(
-    ids_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, num_pairs, num_experts, max_blocks,
-    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, num_pairs, num_experts, max_blocks,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, PAIRS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Whole grouping in one program (decode-sized batches: one launch)."""
+    """Whole grouping in one program (decode-sized batches, up to PAIRS pairs: one launch). Each pair
+    takes its place among its expert's pairs from an atomic add on that expert's counter (counts_ptr:
+    zeros between launches, kernels/triton/device.py tickets, put back to zero here), so an expert's
+    pairs land in its rows in no fixed order between runs; which row a pair takes does not change what
+    the expert GEMMs compute for it. The counters then hold each expert's first row while the pairs
+    look theirs up."""
     wait_previous(PDL)
+    p = tl.arange(0, PAIRS)
+    e = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
+    valid = (e >= 0) & (e < num_experts)
+    rank = tl.atomic_add(counts_ptr + e, tl.full([PAIRS], 1, tl.int32), mask=valid, sem="relaxed")
+    tl.debug_barrier()  # every pair counted (each atomic returned) before the counts are read
     ex = tl.arange(0, E_PAD)
-    counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for c0 in range(0, num_pairs, CHUNK):
-        p = c0 + tl.arange(0, CHUNK)
-        e = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
-        counts += tl.sum(((e[:, None] == ex[None, :]) & (e[:, None] < num_experts)).to(tl.int32), axis=0)
+    counts = tl.load(counts_ptr + ex, cache_modifier=".cg")
     seg_start = _write_blocks(counts, block_expert_ptr, block_rows_ptr, max_blocks, BLOCK_M, E_PAD)
-    seen = tl.zeros([E_PAD], dtype=tl.int32)
-    for c0 in range(0, num_pairs, CHUNK):
-        p = c0 + tl.arange(0, CHUNK)
-        e = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
-        valid = (e >= 0) & (e < num_experts)
-        hit = ((e[:, None] == ex[None, :]) & valid[:, None]).to(tl.int32)
-        base = tl.sum(hit * (seg_start + seen)[None, :], axis=1)
-        tl.store(sorted_ptr + base + _rank_in_chunk(e, CHUNK), p, mask=valid)
-        seen += tl.sum(hit, axis=0)
+    tl.debug_barrier()
+    tl.store(counts_ptr + ex, seg_start)
+    tl.debug_barrier()
+    start = tl.load(counts_ptr + e, mask=valid, other=0, cache_modifier=".cg")
+    tl.store(sorted_ptr + start + rank, p, mask=valid)
+    tl.debug_barrier()  # every pair has read its expert's first row before the counters go back to zero
+    tl.store(counts_ptr + ex, tl.zeros([E_PAD], tl.int32))
 
 
 @triton.jit
@@ -130,10 +136,10 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int, max_blocks: i
     sorted_pairs = torch.empty(max_blocks * block_m, device=dev, dtype=torch.int32)
     block_expert = torch.empty(max_blocks, device=dev, dtype=torch.int32)
     block_rows = torch.empty(max_blocks, device=dev, dtype=torch.int32)
-    if num_pairs <= _SMALL_PAIRS:
+    if num_pairs <= _SMALL_PAIRS and e_pad <= MAX_TICKETS:
         _align_small_kernel[(1,)](
-            topk_ids, sorted_pairs, block_expert, block_rows, num_pairs, num_experts, max_blocks,
-            BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_CHUNK // 2, num_warps=8, **launch_args(topk_ids, pdl),
+            topk_ids, tickets(dev), sorted_pairs, block_expert, block_rows, num_pairs, num_experts, max_blocks,
+            BLOCK_M=block_m, E_PAD=e_pad, PAIRS=_SMALL_PAIRS, num_warps=8, **launch_args(topk_ids, pdl),
         )
         return sorted_pairs, block_expert, block_rows
     num_chunks = triton.cdiv(num_pairs, _CHUNK)
