@@ -4,7 +4,9 @@
 Engines use dummy weights and --async-scheduling (as roofline's headline figures); they live side
 by side and the rounds alternate between them, so that clock drift falls on every variant alike.
 Each step's time is set against the HBM floor (weights + KV bytes / copy bandwidth measured in the
-same run), as in benchmarks/roofline.py. The greedy tokens of each variant are compared with the
+same run), as in benchmarks/roofline.py; for an MoE it counts the experts the routers picked
+(roofline.RoutedExperts: the distinct experts a layer in the first variant's last step of each
+round, averaged), not one token's top-k. The greedy tokens of each variant are compared with the
 first variant's (same prompts): a variant that changes results shows up as a mismatch, not as a
 speed-up.
 
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.roofline import MODELS, build, copy_bandwidth, kv_bytes, param_bytes, step_times
+from benchmarks.roofline import MODELS, RoutedExperts, build, copy_bandwidth, kv_bytes, param_bytes, step_times
 from tandem.kernels import KernelConfig
 
 MAX_MODEL_LEN = 8192
@@ -164,8 +166,9 @@ def main() -> None:
     for name in args.models:
         moe = "moe" in MODELS[name]["model_type"]
         engines = {}
+        routed = RoutedExperts(MODELS[name].get("num_experts", 0), MODELS[name].get("num_experts_per_tok", 0))
         for v, fields in configs.items():
-            with plans_installed(plans[v]):
+            with plans_installed(plans[v]), (routed if moe and not engines else contextlib.nullcontext()):
                 engines[v] = build(name, args.fp8, kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=4096,
                                    max_num_seqs=max(8, args.batch), max_model_len=MAX_MODEL_LEN,
                                    kv_cache_memory_bytes=kv_cache_bytes(name, args.batch, args.context, args.steps,
@@ -174,8 +177,7 @@ def main() -> None:
                                    enable_prefix_caching=False,  # every run prefills alike, so tokens compare
                                    **fields).engine
         runner = next(iter(engines.values())).runner
-        wbytes = param_bytes(runner, MODELS[name]["num_experts_per_tok"] if moe else None)
-        floor = (wbytes + kv_bytes(runner, args.batch, args.context)) / bw
+        experts = []  # distinct experts a layer in each round's last step of the first variant
         times = {v: [] for v in engines}
         tokens = {}
         for r in range(args.rounds):
@@ -183,12 +185,20 @@ def main() -> None:
                 t, toks = decode(core, args.batch, args.context, args.steps, f"{v}-{r}")
                 times[v] += t
                 tokens.setdefault(v, toks)
+                if moe and v == args.variants[0]:
+                    experts += routed.counts(args.batch, MODELS[name]["num_hidden_layers"])
                 print(f"{name} round {r} {v:<28} median {statistics.median(t) * 1e3:.3f} ms", flush=True)
+        active = statistics.mean(experts) if moe else None
+        if moe:
+            print(f"{name}: {active:.1f} distinct experts a layer in a step (min {min(experts)}, max "
+                  f"{max(experts)}; one token's top-k {MODELS[name]['num_experts_per_tok']})", flush=True)
+        wbytes = param_bytes(runner, active)
+        floor = (wbytes + kv_bytes(runner, args.batch, args.context)) / bw
         first = args.variants[0]
         for v in engines:
             ms = statistics.median(times[v]) * 1e3
             rows.append(dict(model=name, variant=v, batch=args.batch, context=args.context, ms=ms,
-                             floor_ms=floor * 1e3, of_floor=floor * 1e3 / ms,
+                             floor_ms=floor * 1e3, of_floor=floor * 1e3 / ms, experts_a_layer=active,
                              greedy_agreement=agreement(tokens[first], tokens[v])))
         del engines, runner
         gc.collect()

@@ -23,6 +23,7 @@ kernel configuration, pass its flags (--no-pdl, --no-fuse-norms, ...: engine/con
   python -m benchmarks.profile_decode --fp8 block --kv-cache-dtype fp8 --batch 1   # an FP8 step
 """
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -33,8 +34,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.roofline import (MODELS, build, copy_bandwidth, kernel_flags, kernel_kwargs, kv_bytes, param_bytes,
-                                 step_times)
+from benchmarks.roofline import (MODELS, RoutedExperts, build, copy_bandwidth, kernel_flags, kernel_kwargs, kv_bytes,
+                                 param_bytes, step_times)
 
 
 def recapture(runner, batch: int, with_logits: bool) -> None:
@@ -360,13 +361,21 @@ def main() -> None:
                                        SamplingParams(max_tokens=total_steps, ignore_eos=True, temperature=0)))
     while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
         core.step()
-    moe = "moe" in MODELS[args.model]["model_type"]
-    wbytes = param_bytes(llm.engine.runner, MODELS[args.model]["num_experts_per_tok"] if moe else None)
+    cfg = MODELS[args.model]
+    moe = "moe" in cfg["model_type"]
+    routed = RoutedExperts(cfg.get("num_experts", 0), cfg.get("num_experts_per_tok", 0))
+    results = []
+    with routed if moe else contextlib.nullcontext():  # (around the graphs' capture)
+        results.append(profile_variant(llm, args.batch, "current", True, args.steps))
+    # an MoE step reads the experts its routers picked (the last timed step's), not one token's top-k
+    experts = routed.counts(args.batch, cfg["num_hidden_layers"]) if moe else []
+    active = sum(experts) / len(experts) if moe else None
+    wbytes = param_bytes(llm.engine.runner, active)
     floor_us = (wbytes + kv_bytes(llm.engine.runner, args.batch, args.context)) / bw * 1e6
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s; {args.model} b={args.batch} "
-          f"ctx={args.context}: {wbytes / 1e9:.2f} GB of weights per step, floor {floor_us:.0f} us")
-    results = []
-    results.append(profile_variant(llm, args.batch, "current", True, args.steps))
+          f"ctx={args.context}: {wbytes / 1e9:.2f} GB of weights per step"
+          + (f" ({active:.1f} distinct experts a layer, {min(experts)}-{max(experts)})" if moe else "")
+          + f", floor {floor_us:.0f} us")
     print_variant(results[-1], floor_us)
     # FP8 GEMMs against torch._scaled_mm per shape: benchmarks.roofline --fp8-kernels
     linears = linear_table(llm.engine.runner.model, args.batch, bw) if args.fp8 == "none" else []
@@ -382,7 +391,7 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(dict(
             device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), model=args.model,
-            batch=args.batch, context=args.context, copy_GBps=bw / 1e9, floor_us=floor_us,
+            batch=args.batch, context=args.context, copy_GBps=bw / 1e9, floor_us=floor_us, experts_a_layer=active,
             variants=results, linears=linears), indent=1))
 
 

@@ -132,7 +132,7 @@ def build(name: str, fp8: str = "none", **kw):
 def param_bytes(runner, active_experts: float | None = None) -> float:
     """Bytes of weights one decode step of ModelRunner `runner` reads: all but the embedding (a
     gather of a few rows) for dense; for MoE, the non-expert weights plus `active_experts`
-    experts per layer (the top-k of one token at batch 1)."""
+    experts per layer (the top-k of one token at batch 1; at larger batches RoutedExperts counts them)."""
     total = 0
     for name, p in runner.model.named_parameters():
         if active_experts is not None and name.endswith((".w13", ".w2", ".w13_scale", ".w2_scale")):
@@ -140,6 +140,50 @@ def param_bytes(runner, active_experts: float | None = None) -> float:
         elif "embed_tokens" not in name:
             total += p.numel() * p.element_size()
     return total
+
+
+class RoutedExperts:
+    """How many distinct experts each MoE layer's router picks in a decode step, for the HBM floor
+    at batch > 1 (each picked expert's weights are read once a step; one token's top-k is only
+    the b=1 count). While open (around building an engine, which captures its decode graphs),
+    it keeps every router output ([rows, num_experts]) made during a CUDA graph capture: kept, its
+    memory is not handed to a later tensor of the capture, so after each replay it holds that
+    step's router logits. counts(rows) reads the top-k of the last capture at that row count."""
+
+    def __init__(self, num_experts: int, top_k: int):
+        self.num_experts, self.top_k = num_experts, top_k
+        self.logits: dict[int, list[torch.Tensor]] = {}
+        self._hook = None
+
+    def __enter__(self) -> "RoutedExperts":
+        from tandem.engine.layers.linear import ReplicatedLinear  # (the routers' class, and theirs only)
+
+        self._router = ReplicatedLinear
+        self._hook = torch.nn.modules.module.register_module_forward_hook(self._keep)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hook.remove()
+
+    def _keep(self, module, args, out) -> None:
+        if (isinstance(module, self._router) and isinstance(out, torch.Tensor) and out.dim() == 2
+                and out.shape[1] == self.num_experts
+                and self._capturing(out)):
+            self.logits.setdefault(out.shape[0], []).append(out)
+
+    @staticmethod
+    def _capturing(out: torch.Tensor) -> bool:
+        return out.is_cuda and torch.cuda.is_current_stream_capturing()
+
+    def counts(self, rows: int, layers: int) -> list[int]:
+        """Distinct experts each of the last `layers` router outputs captured at `rows` rows picks
+        (softmax routing: the top-k of the logits), as the last replay left them."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # (the last replay may still run: async scheduling)
+        kept = self.logits.get(rows, [])
+        if len(kept) < layers:
+            raise RuntimeError(f"{len(kept)} router outputs captured at {rows} rows, expected {layers}")
+        return [int(torch.topk(t.float(), self.top_k, dim=1).indices.unique().numel()) for t in kept[-layers:]]
 
 
 def step_times(core, steps: int) -> list[float]:
