@@ -19,6 +19,7 @@ import httpx
 import pytest
 import torch
 
+from tests.fp8_gpu import fp8_gpu_dtype
 from tests.ports import free_port_range
 from tests.server.conftest import ServerProcess
 
@@ -92,12 +93,6 @@ def dummy_moe_fp8(tmp_path_factory):
     return out
 
 
-def _needs_fp8() -> None:
-    from tandem.kernels.fp8 import has_fp8_compute
-    if not has_fp8_compute(torch.device("cuda")):
-        pytest.skip("needs a GPU with FP8")
-
-
 @pytest.mark.parametrize("model,transport,step_budget,decode_gpu", [
     ("default", "ipc", None, 0), ("default", "ipc", 256, 0), ("llama3-8b", "ipc", None, 0),
     ("llama3-8b", "ipc", 512, 0), ("qwen3-moe-fp8", "ipc", None, 0), ("qwen3-moe-fp8", "ipc", 512, 0),
@@ -115,7 +110,7 @@ def test_pd_is_bitwise_collocated(model, transport, step_budget, decode_gpu, req
                  "--max-model-len", "4096"]
         vocab, max_len = 32000, 4096
     elif model == "qwen3-moe-fp8":
-        _needs_fp8()
+        fp8_gpu_dtype()
         args += ["--model", str(request.getfixturevalue("dummy_moe_fp8")), "--load-format", "dummy",
                  "--max-model-len", "4096", "--kv-cache-dtype", "fp8"]
         vocab, max_len = 151936, 4096

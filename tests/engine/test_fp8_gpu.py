@@ -7,17 +7,12 @@ import torch
 from tandem.engine import LLM, SamplingParams
 from tests.engine.fp8_writer import write_fp8_checkpoint
 from tests.engine.test_fp8 import PROMPTS, _reference
+from tests.fp8_gpu import fp8_gpu_dtype
 
 KV_BYTES = 1 << 28  # each engine gets its own KV budget: earlier engines of the session still hold memory
 
 pytestmark = pytest.mark.gpu
 GPU_TOL = 0.15  # |logprob| difference: bf16 activations and fp8 activations on top of the CPU test's error
-
-
-def _needs_fp8():
-    from tandem.kernels.fp8 import has_fp8_compute
-    if not torch.cuda.is_available() or not has_fp8_compute(torch.device("cuda")):
-        pytest.skip("needs a GPU with FP8")
 
 
 def _check(llm: LLM, ref_model) -> None:
@@ -33,7 +28,7 @@ def _check(llm: LLM, ref_model) -> None:
 @pytest.mark.parametrize("fmt", ["hf_block", "ct_channel"])
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_fp8_engine_gpu(tiny_models, tmp_path, arch, fmt, kv):
-    _needs_fp8()
+    fp8_gpu_dtype()
     src = tiny_models[arch][0]
     tensors = write_fp8_checkpoint(src, tmp_path / "fp8", fmt)
     # no prefix caching: the decode comparison below must not start from a cached prefill (its
@@ -49,7 +44,7 @@ def test_fp8_engine_gpu(tiny_models, tmp_path, arch, fmt, kv):
 
 
 def test_online_fp8_and_dummy_gpu(tiny_models, tmp_path):
-    _needs_fp8()
+    fp8_gpu_dtype()
     src = tiny_models["qwen3_moe"][0]
     tensors = write_fp8_checkpoint(src, tmp_path / "same", "ct_channel")
     llm = LLM(src, device="cuda", compile_ahead=False, dtype="bfloat16", quantization="fp8", kv_cache_memory_bytes=KV_BYTES)

@@ -20,6 +20,7 @@ import torch
 from tandem.kernels.fp8 import (E4M3, dequantize_weight, fp8_linear_ref, fused_experts_fp8_ref, quantize_rows,
                                 quantize_weight)
 from tandem.kernels.moe import fused_experts_ref
+from tests.fp8_gpu import fp8_gpu_dtype
 from tests.interpreter import run_under_interpreter
 
 
@@ -393,34 +394,27 @@ def test_fp8_kernel_in_interpreter(interpreter_results, case):
     assert interpreter_results[case] == "", interpreter_results[case]
 
 
-def _gpu_fp8():
-    from tandem.kernels.fp8 import fp8_dtype, has_fp8_compute
-    if not torch.cuda.is_available() or not has_fp8_compute(torch.device("cuda")):
-        pytest.skip("needs a GPU with FP8")
-    return fp8_dtype("cuda")
-
-
 @pytest.mark.gpu
 def test_fp8_quantize_rows_gpu():
-    run_quant_case("cuda", _gpu_fp8(), exact=True)
+    run_quant_case("cuda", fp8_gpu_dtype(), exact=True)
 
 
 @pytest.mark.gpu
 def test_fp8_fused_quant_gpu():
-    run_fused_quant_case("cuda", _gpu_fp8(), exact=True)
+    run_fused_quant_case("cuda", fp8_gpu_dtype(), exact=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GEMM_CASES + [(1, 4096, 4096, (128, 128)), (16, 14336, 4096, None),
                                                (4096, 4096, 4096, (128, 128)), (512, 12288, 4096, None)])
 def test_fp8_gemm_gpu(case):
-    run_gemm_case(case, "cuda", _gpu_fp8())
+    run_gemm_case(case, "cuda", fp8_gpu_dtype())
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", SKINNY_CASES)
 def test_fp8_skinny_plans_gpu(case):
-    run_gemm_case(case[:4], "cuda", _gpu_fp8(), case[4])
+    run_gemm_case(case[:4], "cuda", fp8_gpu_dtype(), case[4])
 
 
 def _table_plan_cases() -> list[tuple]:
@@ -433,7 +427,7 @@ def _table_plan_cases() -> list[tuple]:
 def test_fp8_skinny_table_plans_gpu(case):
     """Every plan of the decode tile's table (fp8_skinny.PLANS), as the step launches it (PRELOAD
     included), on its own weight shape at the row bucket's most rows, against fp8_linear_ref."""
-    run_gemm_case(case, "cuda", _gpu_fp8())
+    run_gemm_case(case, "cuda", fp8_gpu_dtype())
 
 
 @pytest.mark.gpu
@@ -447,7 +441,7 @@ def test_fp8_torch_gemm_gpu(case):
 
     from tandem.kernels.triton.fp8 import _torch_gemm
     m, n, k, block = case
-    dtype = _gpu_fp8()
+    dtype = fp8_gpu_dtype()
     if torch.cuda.get_device_capability() >= (9, 0) and hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
         takes = _torch_gemm(torch.empty(m, k, device="cuda"), torch.empty(n, k, device="cuda"), block)
         assert takes == (block is None or k % 512 == 0), case
@@ -459,7 +453,7 @@ def test_fp8_torch_gemm_gpu(case):
 @pytest.mark.parametrize("quant_after", [True, False])
 @pytest.mark.parametrize("swap", [False, True])
 def test_fp8_pending_norm_gpu(case, quant_after, swap):
-    run_pending_norm_case(case, "cuda", _gpu_fp8(), quant_after, swap)
+    run_pending_norm_case(case, "cuda", fp8_gpu_dtype(), quant_after, swap)
 
 
 @pytest.mark.gpu
@@ -469,14 +463,14 @@ def test_fp8_gemm_model_shapes_gpu(m, block):
     """Every Llama-3-8B / Qwen3-30B-A3B projection with the plan the kernels pick at m rows (each
     decode-tile row bucket and its edges, the first prefill tile)."""
     for n, k in LLAMA_8B + QWEN3_30B:
-        run_gemm_case((m, n, k, block), "cuda", _gpu_fp8())
+        run_gemm_case((m, n, k, block), "cuda", fp8_gpu_dtype())
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", MOE_CASES + [(1, 2048, 768, 128, 8, (128, 128)), (512, 2048, 768, 128, 8, (128, 128)),
                                               (64, 4096, 1536, 8, 2, None)])
 def test_fp8_experts_gpu(case):
-    run_moe_case(case, "cuda", _gpu_fp8())
+    run_moe_case(case, "cuda", fp8_gpu_dtype())
 
 
 @pytest.mark.gpu
@@ -487,13 +481,13 @@ def test_fp8_experts_gpu(case):
                                          num_warps2=1, num_stages2=2))])
 def test_fp8_experts_split_plans_gpu(case):
     """Plans whose two expert GEMMs differ (benchmarks/fp8_moe.py's sweep) against the reference."""
-    run_moe_case(case[0], "cuda", _gpu_fp8(), case[1])
+    run_moe_case(case[0], "cuda", fp8_gpu_dtype(), case[1])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", W8A16_CASES)
 def test_fp8_w8a16_plans_gpu(case):
-    run_w8a16_case(case[:4], "cuda", _gpu_fp8(), case[4])
+    run_w8a16_case(case[:4], "cuda", fp8_gpu_dtype(), case[4])
 
 
 @pytest.mark.gpu
@@ -502,14 +496,14 @@ def test_fp8_w8a16_plans_gpu(case):
 def test_fp8_w8a16_model_shapes_gpu(m, block):
     """Every Llama-3-8B / Qwen3-30B-A3B projection with the W8A16 plan the GEMM picks."""
     for n, k in LLAMA_8B + QWEN3_30B:
-        run_w8a16_case((m, n, k, block), "cuda", _gpu_fp8())
+        run_w8a16_case((m, n, k, block), "cuda", fp8_gpu_dtype())
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", W8A16_MOE_CASES + [(1, 2048, 768, 128, 8, (128, 128)), (2, 2048, 768, 128, 8, None),
                                                    (16, 2048, 768, 128, 8, (128, 128))])
 def test_fp8_w8a16_experts_gpu(case):
-    run_w8a16_moe_case(case, "cuda", _gpu_fp8())
+    run_w8a16_moe_case(case, "cuda", fp8_gpu_dtype())
 
 
 FP8_KV_MODES = ["f16", "f16-pin-k", "int", "cvt"]  # how the kernel reads e4m3 K/V (_fp8_kv_attention)
@@ -523,7 +517,7 @@ def _fp8_kv_attention(ctx: list[int], q_len: int, hk: int, hq: int, mode: str):
     from tandem.kernels.attention import paged_attention_ref
     from tandem.kernels.triton import attention
     from tandem.kernels.triton.attention import paged_attention_triton
-    dtype = _gpu_fp8()
+    dtype = fp8_gpu_dtype()
     torch.manual_seed(0)
     page, d, seqs, max_ctx = 16, 128, len(ctx), max(ctx)
     pages = -(-max_ctx // page)
