@@ -301,10 +301,12 @@ def fused_experts_fp8_ref(
 def fused_experts_fp8(
     x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, block: tuple[int, int] | None,
+    config: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:
-    """fused_experts_fp8_ref's contract; the Triton FP8 grouped GEMMs on GPUs with FP8."""
+    """fused_experts_fp8_ref's contract; the Triton FP8 grouped GEMMs on GPUs with FP8 (launched
+    with PDL unless config.pdl is off)."""
     if use_triton(x) and has_fp8_compute(x.device):
         from tandem.kernels.triton.fp8 import fused_experts_fp8_triton
         return fused_experts_fp8_triton(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
-                                        block)
+                                        block, pdl=config.pdl)
     return fused_experts_fp8_ref(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, block)

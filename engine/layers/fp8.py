@@ -221,7 +221,8 @@ class Fp8FusedMoE:
         return self.w13_scale, self.w2_scale, self.fp8_block
 
     def fp8_experts(self, x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-        return fused_experts_fp8(x, w13, self.w13_scale, w2, self.w2_scale, topk_weights, topk_ids, self.fp8_block)
+        return fused_experts_fp8(x, w13, self.w13_scale, w2, self.w2_scale, topk_weights, topk_ids, self.fp8_block,
+                                 self.kernels)
 
 
 @functools.cache

@@ -20,6 +20,7 @@ import triton.language as tl
 from tandem.kernels.triton import fp8_skinny
 from tandem.kernels.triton.fp8_skinny import quantize_rows_triton
 from tandem.kernels.triton.moe import _align, _sum_topk, gated_scatter_store, moe_gemm_meta
+from tandem.kernels.triton.pdl import launch_args, wait_previous
 
 
 @triton.jit
@@ -173,15 +174,17 @@ def _fp8_grouped_gemm_kernel(
     num_experts, rows_per_scale, k_tiles_per_group,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """The bf16 _grouped_gemm_kernel's grouped contract (kernels/triton/moe.py, without its decode
     fusions) on fp8 operands: out[rows] = a[rows] @ w[e].T for one expert block of BLOCK_M rows.
     GATHER_A: row = x[pair // TOP_K]; GATED: w[e] is [gate | up], out = silu(gate) * up;
-    SCATTER_OUT: row -> out[pair] * topk_w[pair]."""
+    SCATTER_OUT: row -> out[pair] * topk_w[pair]. PDL: kernels/triton/pdl.py (the block's expert
+    comes from the grouping launch ahead, so nothing is read before the wait)."""
     pid = tl.program_id(0)
     block = pid // num_n_tiles
     pid_n = pid % num_n_tiles
+    wait_previous(PDL)
     expert = tl.load(block_expert_ptr + block)
     if (expert < 0) | (expert >= num_experts):
         return
@@ -228,7 +231,7 @@ def moe_config(num_pairs: int, num_experts: int, block_k: int | None) -> dict:
     return dict(BLOCK_M=64, BLOCK_N1=128, BLOCK_N2=128, BLOCK_K=bk, num_warps=8, num_stages=3)
 
 
-def _grouped(a, a_s, w, w_s, out, grouping, block, top_k, meta, gather, gated, scatter, topk_w):
+def _grouped(a, a_s, w, w_s, out, grouping, block, top_k, meta, gather, gated, scatter, topk_w, pdl):
     """One expert GEMM launch (moe_gemm_meta's meta): a program per (expert block, N tile)."""
     sorted_pairs, block_expert, block_rows, num_blocks = grouping
     n = w.shape[1] // 2 if gated else w.shape[1]
@@ -240,17 +243,18 @@ def _grouped(a, a_s, w, w_s, out, grouping, block, top_k, meta, gather, gated, s
         w_s.stride(1) if block else 1, out.stride(0), n_tiles, w.shape[0], block[0] if block else 1,
         block[1] // meta["BLOCK_K"] if block else 1,
         TOP_K=top_k, GATHER_A=gather, SCATTER_OUT=scatter, GATED=gated, PER_CHANNEL=block is None,
-        EVEN_K=k % meta["BLOCK_K"] == 0, **meta)
+        EVEN_K=k % meta["BLOCK_K"] == 0, **meta, **launch_args(a, pdl))
 
 
 def fused_experts_fp8_triton(
     x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, block: tuple[int, int] | None,
-    cfg: dict | None = None,
+    cfg: dict | None = None, pdl: bool = True,
 ) -> torch.Tensor:
-    """kernels.fp8.fused_experts_fp8_ref on the GPU: quantize x -> grouped GEMM w13 + SiLU-mul ->
-    quantize -> grouped GEMM w2 (weighted, per pair) -> top-k sum. x: [T, H] -> [T, H] x.dtype.
-    cfg: a plan shaped as moe_config's (benchmarks/fp8_moe.py sweeps them), else moe_config's."""
+    """kernels.fp8.fused_experts_fp8_ref on the GPU: group the pairs by expert -> quantize x ->
+    grouped GEMM w13 + SiLU-mul -> quantize -> grouped GEMM w2 (weighted, per pair) -> top-k sum.
+    x: [T, H] -> [T, H] x.dtype. cfg: a plan shaped as moe_config's (benchmarks/fp8_moe.py sweeps
+    them), else moe_config's. pdl: the six launches with PDL (kernels/triton/pdl.py)."""
     _check_block(block)
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -266,15 +270,15 @@ def fused_experts_fp8_triton(
     meta1, meta2 = moe_gemm_meta(cfg, 1, group), moe_gemm_meta(cfg, 2, group)
     block_m = cfg["BLOCK_M"]
     num_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
-    grouping = (*_align(topk_ids, num_experts, block_m, num_blocks, pdl=False), num_blocks)  # fp8 path: no PDL
-    xq, xs = quantize_rows_triton(x.contiguous(), w13.dtype, group)
+    grouping = (*_align(topk_ids, num_experts, block_m, num_blocks, pdl), num_blocks)
+    xq, xs = quantize_rows_triton(x.contiguous(), w13.dtype, group, pdl)
     act = torch.empty(num_blocks * block_m, inter, device=x.device, dtype=x.dtype)
     _grouped(xq, xs, w13, w13_scale.contiguous(), act, grouping, block, top_k, meta1, True, True, False,
-             topk_weights)
-    aq, as_ = quantize_rows_triton(act, w2.dtype, group)
+             topk_weights, pdl)
+    aq, as_ = quantize_rows_triton(act, w2.dtype, group, pdl, blocks=(grouping[2], block_m))  # real rows only
     pair_out = torch.empty(num_pairs, hidden, device=x.device, dtype=x.dtype)
     _grouped(aq, as_, w2, w2_scale.contiguous(), pair_out, grouping, block, top_k, meta2, False, False, True,
-             topk_weights)
+             topk_weights, pdl)
     _sum_topk(pair_out, topk_ids, out, num_experts, min(1024, triton.next_power_of_2(hidden)),
-              (out, out, out, out), False, pdl=False)
+              (out, out, out, out), False, pdl)
     return out

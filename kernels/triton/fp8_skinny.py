@@ -421,13 +421,24 @@ def _launch(x, w, w_scale, block, cfg, pdl, norm_out=None, norm_in=None, quantiz
 # when its plan does not quantize in the GEMM) ----------------------------------------------
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stride_sg, fp8_max,
-                       GROUP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _skip_row(row, block_rows_ptr, BLOCK_ROWS: tl.constexpr):
+    """With BLOCK_ROWS (rows grouped in blocks of that many, block_rows_ptr each block's real row
+    count, as kernels/triton/moe_align.py writes them): whether row is a block's padding."""
+    if BLOCK_ROWS > 0:
+        return row % BLOCK_ROWS >= tl.load(block_rows_ptr + row // BLOCK_ROWS)
+    return False
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stride_sg, fp8_max, block_rows_ptr,
+                       GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_ROWS: tl.constexpr, PDL: tl.constexpr):
     """Program (row, group): s = amax(|x|) / fp8_max over the group's GROUP columns, q = x / s
     (rows past M: q = 0, s = the floor 1e-12; their mask is a tensor, `cols * 0 + row < M`, as
-    Triton's interpreter takes no scalar in a mask)."""
+    Triton's interpreter takes no scalar in a mask). A padding row (_skip_row) is left unwritten."""
     wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
+    if _skip_row(row, block_rows_ptr, BLOCK_ROWS):
+        return
     grp = tl.program_id(1)
     lo = grp * GROUP
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -448,12 +459,15 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm,
 
 @triton.jit
 def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stride_sg, G, fp8_max,
-                         GROUP: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr):
+                         block_rows_ptr, GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                         PDL: tl.constexpr):
     """Program (row, GROUPS consecutive groups of GROUP columns): each group's scale and values in
-    one pass, the tile held in registers (_quant_tile, as the decode GEMM does); rows past M as
-    _quant_rows_kernel's."""
+    one pass, the tile held in registers (_quant_tile, as the decode GEMM does); rows past M and
+    padding rows as _quant_rows_kernel's."""
     wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
+    if _skip_row(row, block_rows_ptr, BLOCK_ROWS):
+        return
     gi = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = (cols < K) & (gi < G)[:, None]
@@ -464,13 +478,17 @@ def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s
 
 
 def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, group: int | None, pdl: bool = False,
-                         rows: int | None = None, scales_by_column: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         rows: int | None = None, scales_by_column: bool = False,
+                         blocks: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels.fp8.quantize_rows on the GPU. x: [M, K] -> (q [R, K] dtype, s [R, G] float32), R =
     rows (>= M; the rows past M are zeros with scale 1e-12: the padding torch's block-wise GEMM
     wants, written by this launch rather than by a copy) or M. scales_by_column: s is a
     column-major view (stride (1, R)), the layout of torch's block-wise activation scales.
     Groups of a power of two <= 1024 columns: 1024 columns a program, one pass; per token: a
-    program per row, two passes over it. pdl: launched with PDL (the decode GEMM's, which is)."""
+    program per row, two passes over it. pdl: launched with PDL (the decode GEMM's, which is).
+    blocks: (block_rows, BLOCK_M), x's rows grouped by expert as kernels/triton/moe_align.py lays
+    them out: only each block's first block_rows[b] rows are quantized, the padding rows (which the
+    expert GEMMs do not read) are left unwritten in q and s."""
     m, k = x.shape
     r = max(rows or m, m)
     group = group or k
@@ -482,12 +500,14 @@ def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, group: int | None,
         return q, s
     fmax = float(torch.finfo(dtype).max)
     strides = (x.stride(0), q.stride(0), s.stride(0), s.stride(1))
+    block_rows, block_m = blocks if blocks is not None else (s, 0)
     if group <= 1024 and group & (group - 1) == 0:
         groups = 1024 // group
-        _quant_groups_kernel[(r, triton.cdiv(g, groups))](x, q, s, m, k, *strides, g, fmax, GROUP=group,
-                                                          GROUPS=groups, num_warps=4, **launch_args(x, pdl))
+        _quant_groups_kernel[(r, triton.cdiv(g, groups))](x, q, s, m, k, *strides, g, fmax, block_rows, GROUP=group,
+                                                          GROUPS=groups, BLOCK_ROWS=block_m, num_warps=4,
+                                                          **launch_args(x, pdl))
     else:
         block = min(1024, triton.next_power_of_2(group))
-        _quant_rows_kernel[(r, g)](x, q, s, m, k, *strides, fmax, GROUP=group, BLOCK=block, num_warps=4,
-                                   **launch_args(x, pdl))
+        _quant_rows_kernel[(r, g)](x, q, s, m, k, *strides, fmax, block_rows, GROUP=group, BLOCK=block,
+                                   BLOCK_ROWS=block_m, num_warps=4, **launch_args(x, pdl))
     return q, s

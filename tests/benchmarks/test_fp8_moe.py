@@ -18,7 +18,7 @@ def _child() -> None:
     import tandem.kernels.triton.fp8 as triton_fp8
     from tandem.kernels.fp8 import quantize_rows
     # the interpreter's e4m3 cast misrounds (tests/kernels/test_fp8.py): quantize as the reference does
-    triton_fp8.quantize_rows_triton = lambda x, dtype, group, pdl=False: quantize_rows(x, dtype, group)
+    triton_fp8.quantize_rows_triton = lambda x, dtype, group, pdl=False, blocks=None: quantize_rows(x, dtype, group)
     out = []
     for layout in ("block", "channel"):
         weights = fp8_moe.expert_weights(TINY, (128, 128) if layout == "block" else None, "cpu", torch.float16)

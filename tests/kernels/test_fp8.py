@@ -300,6 +300,19 @@ def run_quant_case(device, dtype, exact: bool) -> None:
     assert torch.allclose(s3[:5], s, rtol=1e-6, atol=0) and torch.all(s3[5:] == 1e-12)
     assert torch.equal(q3[5:].float(), torch.zeros(3, 300, device=device))
     assert torch.equal(q3[:5].float(), q.float()) if exact else _rel(q3[:5].float(), q.float()) < 0.1
+    # rows grouped by expert in blocks of 4 (moe_align's layout) with 3 and 1 real rows: those rows
+    # quantized as quantize_rows does, by both kernels (per token: the two-pass one)
+    x8 = torch.randn(8, 300).to(x.dtype).to(device)
+    real = torch.tensor([0, 1, 2, 4], device=device)
+    for group in (None, 128):
+        q, s = quantize_rows(x8, dtype, group)
+        q4, s4 = quantize_rows_triton(x8, dtype, group, blocks=(torch.tensor([3, 1], device=device,
+                                                                             dtype=torch.int32), 4))
+        assert torch.allclose(s4[real], s[real], rtol=1e-6, atol=0)
+        if exact:
+            assert torch.equal(q4[real].float(), q[real].float())
+        else:
+            assert _rel(q4[real].float(), q[real].float()) < 0.1
 
 
 def run_fused_quant_case(device, dtype, exact: bool) -> None:
@@ -355,7 +368,7 @@ def _interpreter_main() -> None:
     # (the interpreter's e4m3 cast misrounds; docstring)
     from tandem.kernels.triton import fp8_skinny
     triton_fp8.quantize_rows_triton = fp8_skinny.quantize_rows_triton = (
-        lambda x, dtype, group, pdl=False: quantize_rows(x, dtype, group))
+        lambda x, dtype, group, pdl=False, blocks=None: quantize_rows(x, dtype, group))
     skinny = [lambda case=case: run_gemm_case(case[:4], "cpu", E4M3, case[4]) for case in SKINNY_CASES]
     for idx, fn in enumerate(skinny):
         try:
