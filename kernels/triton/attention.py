@@ -471,9 +471,10 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
     # a mid-sized grid over an fp8 cache (more programs than a batch of one or two takes, fewer than two an SM)
     mid = kv_bytes == 1 and FEW_PROGRAMS < programs < 2 * sms
     if 0 < programs < 2 * sms:
-        splits = triton.next_power_of_2(triton.cdiv(2 * sms, programs))
         if mid:  # at most two programs an SM, not the next power of two past it
             splits = 2 ** ((2 * sms // programs).bit_length() - 1)
+        else:
+            splits = triton.next_power_of_2(triton.cdiv(2 * sms, programs))
         max_by_memory = 2**26 // (num_tokens * num_heads * d_pad * 4)  # partials under 64 MiB
         splits = min(splits, 64, triton.next_power_of_2(max(1, kv_bound // block_n)))
         splits = max(1, min(splits, 2 ** (max(1, max_by_memory).bit_length() - 1)))
