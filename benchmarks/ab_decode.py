@@ -15,7 +15,8 @@ off as flag names joined by "+", e.g. "no-pdl" or "no-fuse-norms+no-fuse-rope". 
 KernelConfig (python -m tandem.server --help says what each does). "plans=FILE" is the default
 config with the plans that benchmarks.plan_tune wrote to FILE (--out) in place while that engine
 captures its decode graphs (GEMM and expert plans in their tables, the decode attention's through
-plan_tune's hook): the plans it found, timed as the engine runs them.
+plan_tune's hook): the plans it found, timed as the engine runs them. It joins fields to turn off
+like any other part: "plans=FILE+no-pdl".
 
   python -m benchmarks.ab_decode --models llama3-8b --variants default no-fuse-norms no-pdl
   python -m benchmarks.ab_decode --models llama3-8b --fp8 block --kv-cache-dtype fp8 --batch 64 \
@@ -44,12 +45,14 @@ FIELDS = {f.name.replace("_", "-"): f.name for f in dataclasses.fields(KernelCon
 
 def kernel_fields(variant: str) -> dict:
     """Variant name -> KernelConfig keyword arguments (see the module docstring)."""
-    if variant == "default" or variant.startswith("plans="):
+    if variant == "default":
         return {}
     if variant == "none":
         return {f: False for f in FIELDS.values()}
     off = {}
     for part in variant.split("+"):
+        if part.startswith("plans="):  # (tuned_plans)
+            continue
         name = part.removeprefix("no-")
         if not part.startswith("no-") or name not in FIELDS:
             raise SystemExit(f"unknown variant part {part!r}; expected no-<field>, fields: {', '.join(FIELDS)}")
@@ -61,11 +64,12 @@ def tuned_plans(variant: str) -> list[tuple[dict | None, object, dict]]:
     """(table, key, plan) for each walk's best plan in the plan_tune JSON a "plans=FILE" variant
     names; [] for other variants. The decode attention's launch plan has no table: its entry is
     (None, "attention", the override plan_tune's DecodeAttentionPlan hook puts on the rule's plan)."""
-    if not variant.startswith("plans="):
+    files = [part.removeprefix("plans=") for part in variant.split("+") if part.startswith("plans=")]
+    if not files:
         return []
     from tandem.kernels.triton import fp8_skinny, linear, moe
     out = []
-    for w in json.loads(Path(variant.removeprefix("plans=")).read_text())["walks"]:
+    for w in json.loads(Path(files[0]).read_text())["walks"]:
         kind, _, key = w["what"].partition(" ")
         if kind == "fp8":
             out.append((fp8_skinny.PLANS, ast.literal_eval(key), w["best"]))

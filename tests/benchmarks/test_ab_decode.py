@@ -65,3 +65,16 @@ def test_plans_variant_puts_plan_tunes_best_plans_in_the_tables_while_building(t
     f.write_text(json.dumps(dict(walks=[dict(what="router", best={})])))
     with pytest.raises(SystemExit, match="unknown walk"):
         ab_decode.tuned_plans(f"plans={f}")
+
+
+def test_a_plans_file_joins_fields_turned_off(tmp_path):
+    """"plans=FILE+no-x": the file's plans and the fields turned off, each part read as alone."""
+    plans = tmp_path / "p.json"
+    plans.write_text(json.dumps({"walks": [{"what": "fp8 (16, 4096, 4096, 128)", "best": {"BLOCK_N": 64}}]}))
+    both = f"plans={plans}+no-pdl+no-fuse-norms"
+    assert ab_decode.kernel_fields(both) == {"pdl": False, "fuse_norms": False}
+    assert ab_decode.tuned_plans(both) == ab_decode.tuned_plans(f"plans={plans}")
+    assert [(key, plan) for _, key, plan in ab_decode.tuned_plans(both)] == [((16, 4096, 4096, 128), {"BLOCK_N": 64})]
+    assert ab_decode.kernel_fields(f"plans={plans}") == {} and ab_decode.tuned_plans("no-pdl") == []
+    with pytest.raises(SystemExit, match="unknown variant part"):
+        ab_decode.kernel_fields(f"plans={plans}+pdl")
