@@ -174,3 +174,36 @@ def test_norms_and_activation_quantize_for_the_fp8_gemm_after(tiny_models, tmp_p
         assert fused.token_ids == plain.token_ids
         for a, b in zip(fused.prompt_logprobs[1:], plain.prompt_logprobs[1:]):
             assert a.logprobs == b.logprobs and a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("arch,fmt,ep", [("llama", "hf_block", False), ("qwen3_moe", "hf_block", True),
+                                         ("qwen3_moe", "ct_channel", True), ("mixtral", "hf_block", True)])
+def test_fp8_checkpoint_under_tensor_and_expert_parallel(tiny_models, tmp_path, arch, fmt, ep):
+    """The seeds' kind of deployment on CPU (gloo): an FP8 checkpoint at --tensor-parallel-size 2,
+    the experts sharded over the two ranks (--enable-expert-parallel), against HF on the dequantized
+    weights, as the single-process tests above. Each rank holds half of every projection's rows (and
+    their block scales), half of the row-parallel inputs, and half of the experts whole."""
+    from tests.ports import free_port_range
+    src = tiny_models[arch][0]
+    tensors = write_fp8_checkpoint(src, tmp_path / "fp8", fmt)
+    llm = LLM(str(tmp_path / "fp8"), block_size=4, tensor_parallel_size=2, enable_expert_parallel=ep,
+              master_port=free_port_range(1))
+    try:
+        layer = _model_of(llm).model.layers[0]
+        o = layer.self_attn.o_proj
+        assert o.weight.dtype == torch.float8_e4m3fn and o.weight.shape[1] == 32  # half of the 64 input columns
+        if ep:
+            assert layer.mlp.w13.dtype == torch.float8_e4m3fn
+            assert layer.mlp.w13.shape[0] == (8 if arch == "qwen3_moe" else 4) // 2  # half the experts, each whole
+        _check_against(llm, _reference(tmp_path, src, tensors))
+    finally:
+        llm.engine.shutdown()
+
+
+def test_fp8_block_not_dividing_a_rank_shard_is_a_clear_error(tiny_models, tmp_path):
+    """A weight block wider than a rank's share of a row-parallel input (o_proj's 64 columns in 4
+    ranks of 16, blocks of 32) cannot be split: the loader says so and which flag to change."""
+    from tests.ports import free_port_range
+    write_fp8_checkpoint(tiny_models["llama"][0], tmp_path / "fp8", "hf_block")
+    with pytest.raises(Exception, match="tensor-parallel-size"):
+        LLM(str(tmp_path / "fp8"), block_size=4, tensor_parallel_size=4, master_port=free_port_range(1))
