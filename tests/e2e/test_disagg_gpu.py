@@ -97,7 +97,7 @@ def dummy_moe_fp8(tmp_path_factory):
     ("default", "ipc", None, 0), ("default", "ipc", 256, 0), ("llama3-8b", "ipc", None, 0),
     ("llama3-8b", "ipc", 512, 0), ("qwen3-moe-fp8", "ipc", None, 0), ("qwen3-moe-fp8", "ipc", 512, 0),
     pytest.param("default", "nixl", None, 0, marks=NIXL),
-    pytest.param("llama3-8b", "ipc", 512, 1, marks=TWO_GPUS),
+    pytest.param("llama3-8b", "ipc", 512, 1, marks=TWO_GPUS), pytest.param("qwen3-moe-fp8", "ipc", 512, 1, marks=TWO_GPUS),
     pytest.param("default", "nixl", 256, 1, marks=[NIXL, TWO_GPUS])])
 def test_pd_is_bitwise_collocated(model, transport, step_budget, decode_gpu, request, tmp_path):
     # compile-ahead changes no numbers, only start-up time: five engines start here, so it is off

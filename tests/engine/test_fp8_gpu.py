@@ -52,3 +52,30 @@ def test_online_fp8_and_dummy_gpu(tiny_models, tmp_path):
     dummy = LLM(str(tmp_path / "same"), device="cuda", compile_ahead=False, dtype="bfloat16", load_format="dummy",
                 kv_cache_memory_bytes=KV_BYTES)
     assert len(dummy.generate([PROMPTS[0]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("arch,ep", [("llama", False), ("qwen3_moe", True)])
+def test_fp8_tensor_and_expert_parallel_gpu(tiny_models, tmp_path, arch, ep):
+    """A block-scaled FP8 checkpoint on 2 GPUs (NCCL): --tensor-parallel-size 2, the experts sharded
+    over the ranks with --enable-expert-parallel (the FP8 grouped experts of an expert-parallel step),
+    CUDA graphs at decode. Prompt logprobs against HF on the dequantized weights, and greedy tokens
+    against HF wherever its top-2 margin clears twice the tolerance."""
+    from tests.engine.test_fp8 import _greedy_with_margin
+    from tests.ports import free_port_range
+    fp8_gpu_dtype()
+    src = tiny_models[arch][0]
+    tensors = write_fp8_checkpoint(src, tmp_path / "fp8", "hf_block")
+    ref = _reference(tmp_path, src, tensors)
+    llm = LLM(str(tmp_path / "fp8"), device="cuda", compile_ahead=False, dtype="bfloat16", block_size=16,
+              kv_cache_memory_bytes=KV_BYTES, tensor_parallel_size=2, enable_expert_parallel=ep,
+              master_port=free_port_range(1))
+    try:
+        _check(llm, ref)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    finally:
+        llm.engine.shutdown()
+    for prompt, out in zip(PROMPTS, outs):
+        tokens, margin, _ = _greedy_with_margin(ref, prompt, 8)
+        if margin > 2 * GPU_TOL:
+            assert out.token_ids == tokens, f"top-2 margin {margin:.3f}"
