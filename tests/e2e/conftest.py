@@ -45,10 +45,10 @@ def pd_port_args() -> tuple[list[str], tuple[int, int]]:
             (prefill[0], decode[0]))
 
 
-def collocated_answers(model, log_dir: Path, ask: Callable[[str], T]) -> T:
-    """The reference: a collocated server on `model` with ENGINE_ARGS, healthy, answers ask(url);
-    stopped after."""
-    ref = Proc("collocated", ["--model", str(model), "--served-model-name", "default", *ENGINE_ARGS],
+def collocated_answers(model, log_dir: Path, ask: Callable[[str], T], args: tuple[str, ...] = ()) -> T:
+    """The reference: a collocated server on `model` with ENGINE_ARGS (and `args`), healthy, answers
+    ask(url); stopped after."""
+    ref = Proc("collocated", ["--model", str(model), "--served-model-name", "default", *ENGINE_ARGS, *args],
                log_dir).wait_healthy()
     try:
         return ask(ref.url)

@@ -5,7 +5,9 @@ Reference: the greedy text of a collocated TP=1 server on the same model.
 One tree per model serves every case: P(TP2) with D(TP2) and D(TP1) behind a round-robin router
 (requests sent one by one alternate (P2, D2), (P2, D1)); then, on the dense model, P(TP2) and D(TP1)
 leave and P(TP1) joins for (P1, D2). Each layout runs in read and write mode (the router restarts on
-the same registry port with the other --kv-mode; the instances serve both)."""
+the same registry port with the other --kv-mode; the instances serve both). The seeds' kind of model
+runs too: the MoE as a block-scaled FP8 checkpoint with an fp8 KV cache, whose blocks move between
+the TP layouts as fp8."""
 import json
 import time
 
@@ -34,14 +36,21 @@ def generate(url: str) -> list[str]:
     return out
 
 
-@pytest.fixture(scope="module", params=["dense", "moe_ep"])
+@pytest.fixture(scope="module", params=["dense", "moe_ep", "moe_fp8_ep"])
 def model(request, model_dir, tmp_path_factory):
-    """(model folder, extra flags for TP > 1 instances, the collocated TP=1 reference texts)."""
+    """(model folder, extra flags for TP > 1 instances, flags for every server, the collocated TP=1
+    reference texts)."""
+    flags = []
     if request.param == "dense":
         path, tp_flags = model_dir, []
     else:
         path, tp_flags = _moe_model(model_dir, tmp_path_factory.mktemp("moe")), ["--enable-expert-parallel"]
-    return path, tp_flags, collocated_answers(path, tmp_path_factory.mktemp("colloc"), generate)
+    if request.param == "moe_fp8_ep":
+        from tests.engine.fp8_writer import write_fp8_checkpoint
+        fp8 = tmp_path_factory.mktemp("moe_fp8") / "model"
+        write_fp8_checkpoint(str(path), fp8, "hf_block")
+        path, flags = fp8, ["--kv-cache-dtype", "fp8"]
+    return path, tp_flags, flags, collocated_answers(path, tmp_path_factory.mktemp("colloc"), generate, tuple(flags))
 
 
 def _moe_model(model_dir, out):
@@ -65,8 +74,8 @@ def _moe_model(model_dir, out):
 
 
 class Tree:
-    def __init__(self, path, tp_flags, log_dir):
-        self.path, self.tp_flags, self.log_dir = path, tp_flags, log_dir
+    def __init__(self, path, tp_flags, log_dir, flags=()):
+        self.path, self.tp_flags, self.log_dir, self.flags = path, tp_flags, log_dir, flags
         self.registry = free_port_range(1)  # kept across router restarts; the rest: each process's block
         self.router = None
         self.instances: dict[str, Proc] = {}
@@ -77,7 +86,7 @@ class Tree:
         self.instances[name] = Proc(name, [
             "--role", role, "--model", str(self.path), "--served-model-name", "default", "--router-address",
             f"127.0.0.1:{self.registry}", "--kv-transfer-config", kv, *ENGINE_ARGS,
-            "--tensor-parallel-size", str(tp), *(self.tp_flags if tp > 1 else [])], self.log_dir)
+            "--tensor-parallel-size", str(tp), *(self.tp_flags if tp > 1 else []), *self.flags], self.log_dir)
 
     def stop(self, *names: str) -> None:
         stop_all([self.instances.pop(name) for name in names])
@@ -101,8 +110,8 @@ class Tree:
 
 
 def test_pd_with_tp_matches_collocated(model, tmp_path):
-    path, tp_flags, expected = model
-    tree = Tree(path, tp_flags, tmp_path)
+    path, tp_flags, flags, expected = model
+    tree = Tree(path, tp_flags, tmp_path, flags)
     try:
         tree.start("p-a", "prefill", 2)
         tree.start("d-a", "decode", 2)
