@@ -5,6 +5,7 @@ Ranks join one torch.distributed world (NCCL on CUDA, RCCL on ROCm, gloo on CPU)
 gloo side group that carries the step inputs. A rank that dies takes the instance down
 (a watchdog on each node exits loudly) instead of leaving collectives hanging.
 """
+import _thread
 import ctypes
 import datetime
 import logging
@@ -133,17 +134,21 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_main(config: EngineConfig, rank: int, max_model_len: int, stopped) -> None:
+def _worker_main(config: EngineConfig, rank: int, max_model_len: int, stopped, errors) -> None:
     _die_with_parent()
     from tandem.engine.loader import load_hf_config
     from tandem.engine.model_runner import ModelRunner
 
-    hf_config = load_hf_config(config.model.model)
-    group = init_distributed(config, rank)
-    runner = ModelRunner(config, hf_config, max_model_len, device=local_device(config, rank))
-    if config.kv_transfer.enabled:
-        from tandem.connectors import build_connector
-        _, runner.kv_worker = build_connector(config, runner, hf_config, group)
+    try:
+        hf_config = load_hf_config(config.model.model)
+        group = init_distributed(config, rank)
+        runner = ModelRunner(config, hf_config, max_model_len, device=local_device(config, rank))
+        if config.kv_transfer.enabled:
+            from tandem.connectors import build_connector
+            _, runner.kv_worker = build_connector(config, runner, hf_config, group)
+    except BaseException as exc:  # rank 0 reports it (Workers.raise_failed)
+        errors.put(f"{type(exc).__name__}: {exc}")
+        raise
     from tandem.engine.model_runner import StepInputs
     while True:
         box = [None]
@@ -170,11 +175,18 @@ class Workers:
         ctx = mp.get_context("spawn")
         ranks = [r for r in ranks_on_node(config) if include_rank0 or r != 0]
         self.stopped = ctx.Event()  # set once rank 0 has left the process group
-        self.procs = [ctx.Process(target=_worker_main, args=(config, r, max_model_len, self.stopped), daemon=True,
-                                  name=f"tp-rank-{r}") for r in ranks]
+        self.errors = ctx.SimpleQueue()  # a rank's start-up error, for rank 0 to raise
+        self.procs = [ctx.Process(target=_worker_main, args=(config, r, max_model_len, self.stopped, self.errors),
+                                  daemon=True, name=f"tp-rank-{r}") for r in ranks]
         for proc in self.procs:
             proc.start()
         self._stopping = False
+        # Until the engine is up (arm), a rank that dies interrupts rank 0's start (a KeyboardInterrupt in
+        # the main thread, which the engine turns into the error) instead of exiting the process: an
+        # offline LLM's host (a test run, a notebook) gets an exception, as for any failed start.
+        self._lock = threading.Lock()
+        self._armed = False
+        self.failed: mp.Process | None = None
         threading.Thread(target=self._watch, daemon=True, name="tp-watchdog").start()
 
     def _watch(self) -> None:
@@ -182,10 +194,38 @@ class Workers:
             for proc in self.procs:
                 # Exit code 0 only follows rank 0's stop message; anything else is a crash.
                 if proc.exitcode not in (None, 0) and not self._stopping:
+                    with self._lock:
+                        if not self._armed:
+                            self.failed, self._stopping = proc, True
+                            _thread.interrupt_main()
+                            return
                     logger.error("tensor-parallel worker %s died (exit code %s); shutting the instance down",
                                  proc.name, proc.exitcode)
                     os._exit(1)
             time.sleep(0.5)
+
+    def arm(self) -> None:
+        """The engine is up: from now on a rank that dies takes the process down (os._exit), since
+        rank 0 would otherwise wait for it in a collective. Raises if one died before."""
+        with self._lock:
+            self._armed = True
+        self.raise_failed()
+
+    def raise_failed(self) -> None:
+        if self.failed is not None:
+            error = self.errors.get() if not self.errors.empty() else "its error is logged above"
+            raise RuntimeError(f"tensor-parallel worker {self.failed.name} exited with code {self.failed.exitcode} "
+                               f"while the engine started: {error}")
+
+    def abort(self) -> None:
+        """The engine failed to start: the other ranks are killed (they may wait in a collective or
+        have failed the same way) and the watchdog stops, so it never exits this process for them."""
+        self._stopping = True
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(10)
 
     def join(self, timeout: float = 30.0) -> None:
         self._stopping = True
@@ -200,6 +240,7 @@ def run_node_workers(config: EngineConfig) -> None:
     from tandem.engine.loader import load_hf_config, resolve_max_model_len
 
     workers = Workers(config, resolve_max_model_len(config, load_hf_config(config.model.model)), include_rank0=True)
+    workers.arm()  # (no rank 0 here to interrupt: a dead rank exits this node's process)
     for proc in workers.procs:
         proc.join()
     workers._stopping = True

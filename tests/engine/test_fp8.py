@@ -202,8 +202,18 @@ def test_fp8_checkpoint_under_tensor_and_expert_parallel(tiny_models, tmp_path, 
 
 def test_fp8_block_not_dividing_a_rank_shard_is_a_clear_error(tiny_models, tmp_path):
     """A weight block wider than a rank's share of a row-parallel input (o_proj's 64 columns in 4
-    ranks of 16, blocks of 32) cannot be split: the loader says so and which flag to change."""
+    ranks of 16, blocks of 32) cannot be split: the loader says so and which flag to change, whichever
+    rank fails first (rank 0's own error, or a worker's raised by rank 0). The failed start leaves no
+    worker process and no watchdog behind: one used to exit the host process (this test run) once
+    the workers died of the same error, after the exception had been handled."""
+    import multiprocessing
+    import threading
+    import time
+
     from tests.ports import free_port_range
     write_fp8_checkpoint(tiny_models["llama"][0], tmp_path / "fp8", "hf_block")
-    with pytest.raises(Exception, match="tensor-parallel-size"):
+    with pytest.raises(Exception, match="use another --tensor-parallel-size"):
         LLM(str(tmp_path / "fp8"), block_size=4, tensor_parallel_size=4, master_port=free_port_range(1))
+    assert not [p.name for p in multiprocessing.active_children() if p.name.startswith("tp-rank")]
+    time.sleep(1.0)  # (the watchdog polls every 0.5 s)
+    assert "tp-watchdog" not in [t.name for t in threading.enumerate()]
