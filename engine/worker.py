@@ -185,7 +185,8 @@ class Workers:
         # the main thread, which the engine turns into the error) instead of exiting the process: an
         # offline LLM's host (a test run, a notebook) gets an exception, as for any failed start.
         self._lock = threading.Lock()
-        self._armed = False
+        # (an engine built off the main thread cannot be interrupted there: it keeps the exit)
+        self._armed = threading.current_thread() is not threading.main_thread()
         self.failed: mp.Process | None = None
         threading.Thread(target=self._watch, daemon=True, name="tp-watchdog").start()
 
