@@ -53,19 +53,16 @@ class EngineCore:
         self.workers, self._broadcast = None, None
         try:
             self._start(config, dp_rank)
-            if self.workers is not None:
-                self.workers.arm()
-        except BaseException as exc:
+        except BaseException:
             # a start that failed (a checkpoint this TP size cannot split, a port in use): the other
             # ranks go too, and their watchdog with them, which would otherwise take this process down
             # when they exit (an offline LLM's host: a test run, a notebook) after the error is handled
-            if self.workers is None:
-                raise
-            self.workers.abort()
-            leave_distributed()
-            if isinstance(exc, KeyboardInterrupt) and self.workers.failed is not None:
-                self.workers.raise_failed()  # a rank died first: its error, not the interrupt
+            if self.workers is not None:
+                self.workers.abort()
+                leave_distributed()
             raise
+        if self.workers is not None:
+            self.workers.arm()
 
     def _start(self, config: EngineConfig, dp_rank: int) -> None:
         device = None

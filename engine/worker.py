@@ -5,7 +5,6 @@ Ranks join one torch.distributed world (NCCL on CUDA, RCCL on ROCm, gloo on CPU)
 gloo side group that carries the step inputs. A rank that dies takes the instance down
 (a watchdog on each node exits loudly) instead of leaving collectives hanging.
 """
-import _thread
 import ctypes
 import datetime
 import logging
@@ -22,6 +21,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.parallel import ExpertParallel, init_expert_parallel, init_tensor_parallel
 
 logger = logging.getLogger(__name__)
+START_GRACE_S = 10.0  # Workers._watch: how long rank 0's own start error may take to arrive
 
 
 def ranks_on_node(config: EngineConfig) -> range:
@@ -134,21 +134,17 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_main(config: EngineConfig, rank: int, max_model_len: int, stopped, errors) -> None:
+def _worker_main(config: EngineConfig, rank: int, max_model_len: int, stopped) -> None:
     _die_with_parent()
     from tandem.engine.loader import load_hf_config
     from tandem.engine.model_runner import ModelRunner
 
-    try:
-        hf_config = load_hf_config(config.model.model)
-        group = init_distributed(config, rank)
-        runner = ModelRunner(config, hf_config, max_model_len, device=local_device(config, rank))
-        if config.kv_transfer.enabled:
-            from tandem.connectors import build_connector
-            _, runner.kv_worker = build_connector(config, runner, hf_config, group)
-    except BaseException as exc:  # rank 0 reports it (Workers.raise_failed)
-        errors.put(f"{type(exc).__name__}: {exc}")
-        raise
+    hf_config = load_hf_config(config.model.model)
+    group = init_distributed(config, rank)
+    runner = ModelRunner(config, hf_config, max_model_len, device=local_device(config, rank))
+    if config.kv_transfer.enabled:
+        from tandem.connectors import build_connector
+        _, runner.kv_worker = build_connector(config, runner, hf_config, group)
     from tandem.engine.model_runner import StepInputs
     while True:
         box = [None]
@@ -175,19 +171,13 @@ class Workers:
         ctx = mp.get_context("spawn")
         ranks = [r for r in ranks_on_node(config) if include_rank0 or r != 0]
         self.stopped = ctx.Event()  # set once rank 0 has left the process group
-        self.errors = ctx.SimpleQueue()  # a rank's start-up error, for rank 0 to raise
-        self.procs = [ctx.Process(target=_worker_main, args=(config, r, max_model_len, self.stopped, self.errors),
-                                  daemon=True, name=f"tp-rank-{r}") for r in ranks]
+        self.procs = [ctx.Process(target=_worker_main, args=(config, r, max_model_len, self.stopped), daemon=True,
+                                  name=f"tp-rank-{r}") for r in ranks]
         for proc in self.procs:
             proc.start()
         self._stopping = False
-        # Until the engine is up (arm), a rank that dies interrupts rank 0's start (a KeyboardInterrupt in
-        # the main thread, which the engine turns into the error) instead of exiting the process: an
-        # offline LLM's host (a test run, a notebook) gets an exception, as for any failed start.
-        self._lock = threading.Lock()
-        # (an engine built off the main thread cannot be interrupted there: it keeps the exit)
-        self._armed = threading.current_thread() is not threading.main_thread()
-        self.failed: mp.Process | None = None
+        self._armed = False  # (arm: the engine is up)
+        self._aborted = threading.Event()
         threading.Thread(target=self._watch, daemon=True, name="tp-watchdog").start()
 
     def _watch(self) -> None:
@@ -195,33 +185,26 @@ class Workers:
             for proc in self.procs:
                 # Exit code 0 only follows rank 0's stop message; anything else is a crash.
                 if proc.exitcode not in (None, 0) and not self._stopping:
-                    with self._lock:
-                        if not self._armed:
-                            self.failed, self._stopping = proc, True
-                            _thread.interrupt_main()
-                            return
+                    # While the engine starts, a rank that died may have hit what rank 0 is about to hit
+                    # (a checkpoint this TP size cannot split): rank 0's own error, raised to the caller
+                    # after abort, wins over the exit for START_GRACE_S. An exit after that exception was
+                    # handled took an offline LLM's host process (a test run, a notebook) down with it.
+                    if not self._armed and (self._aborted.wait(START_GRACE_S) or self._stopping):
+                        return
                     logger.error("tensor-parallel worker %s died (exit code %s); shutting the instance down",
                                  proc.name, proc.exitcode)
                     os._exit(1)
             time.sleep(0.5)
 
     def arm(self) -> None:
-        """The engine is up: from now on a rank that dies takes the process down (os._exit), since
-        rank 0 would otherwise wait for it in a collective. Raises if one died before."""
-        with self._lock:
-            self._armed = True
-        self.raise_failed()
-
-    def raise_failed(self) -> None:
-        if self.failed is not None:
-            error = self.errors.get() if not self.errors.empty() else "its error is logged above"
-            raise RuntimeError(f"tensor-parallel worker {self.failed.name} exited with code {self.failed.exitcode} "
-                               f"while the engine started: {error}")
+        """The engine is up: from now on a rank that dies takes the process down at once."""
+        self._armed = True
 
     def abort(self) -> None:
         """The engine failed to start: the other ranks are killed (they may wait in a collective or
         have failed the same way) and the watchdog stops, so it never exits this process for them."""
         self._stopping = True
+        self._aborted.set()
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
@@ -241,7 +224,7 @@ def run_node_workers(config: EngineConfig) -> None:
     from tandem.engine.loader import load_hf_config, resolve_max_model_len
 
     workers = Workers(config, resolve_max_model_len(config, load_hf_config(config.model.model)), include_rank0=True)
-    workers.arm()  # (no rank 0 here to interrupt: a dead rank exits this node's process)
+    workers.arm()  # (no rank 0 here to report an error: a dead rank exits this node's process at once)
     for proc in workers.procs:
         proc.join()
     workers._stopping = True

@@ -202,10 +202,10 @@ def test_fp8_checkpoint_under_tensor_and_expert_parallel(tiny_models, tmp_path, 
 
 def test_fp8_block_not_dividing_a_rank_shard_is_a_clear_error(tiny_models, tmp_path):
     """A weight block wider than a rank's share of a row-parallel input (o_proj's 64 columns in 4
-    ranks of 16, blocks of 32) cannot be split: the loader says so and which flag to change, whichever
-    rank fails first (rank 0's own error, or a worker's raised by rank 0). The failed start leaves no
-    worker process and no watchdog behind: one used to exit the host process (this test run) once
-    the workers died of the same error, after the exception had been handled."""
+    ranks of 16, blocks of 32) cannot be split: the loader says so and which flag to change (rank 0's
+    own error; workers that die of it first wait for it, engine/worker.py START_GRACE_S). The failed
+    start leaves no worker process and no watchdog behind: one used to exit the host process (this
+    test run) once the workers died of the same error, after the exception had been handled."""
     import multiprocessing
     import threading
     import time
