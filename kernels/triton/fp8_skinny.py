@@ -110,6 +110,29 @@ def _tile_dot(acc, xt, w, a_s, s, w_s, fp8_max, q_ty: tl.constexpr,
 
 
 @triton.jit
+def _early_tile(w0, w_ptrs, i: tl.constexpr, PRELOAD: tl.constexpr, n_mask, rk, k_left, BLOCK_K: tl.constexpr,
+                SWAP: tl.constexpr):
+    """Weight tile i of a program's K range when i < PRELOAD (loaded before the PDL wait), else w0 (unused)."""
+    w = w0
+    if i < PRELOAD:
+        w = _w_tile(w_ptrs + i * BLOCK_K, n_mask, _k_mask(rk, k_left - i * BLOCK_K, False), SWAP)
+    return w
+
+
+@triton.jit
+def _peeled_tile(acc, w, i: tl.constexpr, x_ptrs, xs_ptrs, ws_ptrs, kb, nkb, k_left, x_s, w_s, a_s, m_mask, n_mask, rk,
+                 fp8_max, q_ty: tl.constexpr, BLOCK_K: tl.constexpr, PER_CHANNEL: tl.constexpr, QUANT: tl.constexpr,
+                 SWAP: tl.constexpr, W_SCALAR: tl.constexpr):
+    """acc plus tile i of the program's K range, its weight tile w loaded before the wait and its scales
+    (x_s, w_s) a tile ahead; returns acc and tile i + 1's scales."""
+    xt = tl.load(x_ptrs + i * BLOCK_K, mask=m_mask[:, None] & _k_mask(rk, k_left - i * BLOCK_K, False)[None, :],
+                 other=0.0)
+    x_s_next, w_s_next = _tile_scales(xs_ptrs, ws_ptrs, kb + i + 1, nkb, m_mask, n_mask, PER_CHANNEL, QUANT, W_SCALAR)
+    acc = _tile_dot(acc, xt, w, a_s, x_s, w_s, fp8_max, q_ty, PER_CHANNEL, QUANT, SWAP, W_SCALAR)
+    return acc, x_s_next, w_s_next
+
+
+@triton.jit
 def _fp8_skinny_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_xsm, stride_wn,
     stride_wsn, stride_om, rows_per_scale, fp8_max, res_ptr, g_ptr, sg_ptr, ss_ptr, ss_in_ptr, in_strips, eps,
@@ -126,7 +149,7 @@ def _fp8_skinny_kernel(
     pending_rstd; NORM_OUT with BLOCK_M = its MAX_ROWS): NORM_OUT adds the residual res [M, N] and
     writes sg = s * g and ss [BLOCK_M, strips]; NORM_IN scales the rows by their 1/rms from
     ss_in [BLOCK_M, in_strips] (x is then sg: quantizing it commutes with that row scale).
-    PRELOAD (1 or 2): weight tiles loaded before the PDL wait, while the kernel ahead runs.
+    PRELOAD (1-4): weight tiles loaded before the PDL wait, while the kernel ahead runs.
     SWAP: each tile computes out.T = w @ x.T, the weight tile as the MMA's M side (BLOCK_N >= 64):
     at 16-32 rows that is Hopper's fp8 wgmma (m64 n16-32), where x's rows as M take mma.sync,
     which has no fp8 form on sm_90 and converts both operands to f16 on the conversion units.
@@ -151,11 +174,11 @@ def _fp8_skinny_kernel(
         w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
     ws_ptrs = w_scale_ptrs(ws_ptr, rn, pid_n * BLOCK_N, rows_per_scale, stride_wsn, 3 if W_SCALAR else 2)
     xs_ptrs = xs_ptr + rm.to(tl.int64) * stride_xsm
-    # the first weight tiles do not depend on the kernel ahead (PDL)
+    # the first PRELOAD weight tiles do not depend on the kernel ahead (PDL)
     w0 = _w_tile(w_ptrs, n_mask, _k_mask(rk, k_hi - k_lo, False), SWAP)
-    w1 = w0
-    if PRELOAD >= 2:
-        w1 = _w_tile(w_ptrs + BLOCK_K, n_mask, _k_mask(rk, k_hi - k_lo - BLOCK_K, False), SWAP)
+    w1 = _early_tile(w0, w_ptrs, 1, PRELOAD, n_mask, rk, k_hi - k_lo, BLOCK_K, SWAP)
+    w2 = _early_tile(w0, w_ptrs, 2, PRELOAD, n_mask, rk, k_hi - k_lo, BLOCK_K, SWAP)
+    w3 = _early_tile(w0, w_ptrs, 3, PRELOAD, n_mask, rk, k_hi - k_lo, BLOCK_K, SWAP)
     wait_previous(PDL)
     out_mask = m_mask[:, None] & n_mask[None, :]
     r = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -174,28 +197,28 @@ def _fp8_skinny_kernel(
             a_s = tl.maximum(amax / fp8_max, 1e-12)
         else:
             a_s = tl.load(xs_ptrs, mask=m_mask, other=0.0)
-    # the first tile peeled off the loop (its weight tile came before the wait); an empty range
-    # (a split past K) reads nothing and adds 0
-    xt = tl.load(x_ptrs, mask=m_mask[:, None] & _k_mask(rk, k_hi - k_lo, False)[None, :], other=0.0)
+    # the PRELOAD tiles peeled off the loop (their weights came before the wait); an empty range (a
+    # split past K) reads nothing and adds 0, its scale index clamped
     nkb = tl.cdiv(K, BLOCK_K)
-    kb = k_lo // BLOCK_K  # (clamped into K by _tile_scales where the split is empty)
+    kb = k_lo // BLOCK_K
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     x_s, w_s = _tile_scales(xs_ptrs, ws_ptrs, kb, nkb, m_mask, n_mask, PER_CHANNEL, QUANT, W_SCALAR)
-    x_s_next, w_s_next = _tile_scales(xs_ptrs, ws_ptrs, kb + 1, nkb, m_mask, n_mask, PER_CHANNEL, QUANT,
-                                      W_SCALAR)
-    acc = _tile_dot(acc, xt, w0, a_s, x_s, w_s, fp8_max, q_ty, PER_CHANNEL, QUANT, SWAP, W_SCALAR)
-    x_s, w_s = x_s_next, w_s_next
-    if PRELOAD >= 2:  # (past k_hi: zero tiles, the scale index clamped)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        xt = tl.load(x_ptrs, mask=m_mask[:, None] & _k_mask(rk, k_hi - k_lo - BLOCK_K, False)[None, :], other=0.0)
-        x_s_next, w_s_next = _tile_scales(xs_ptrs, ws_ptrs, kb + 2, nkb, m_mask, n_mask, PER_CHANNEL, QUANT,
-                                          W_SCALAR)
-        acc = _tile_dot(acc, xt, w1, a_s, x_s, w_s, fp8_max, q_ty, PER_CHANNEL, QUANT, SWAP, W_SCALAR)
-        x_s, w_s = x_s_next, w_s_next
+    acc, x_s, w_s = _peeled_tile(acc, w0, 0, x_ptrs, xs_ptrs, ws_ptrs, kb, nkb, k_hi - k_lo, x_s, w_s, a_s, m_mask,
+                                 n_mask, rk, fp8_max, q_ty, BLOCK_K, PER_CHANNEL, QUANT, SWAP, W_SCALAR)
+    if PRELOAD >= 2:
+        acc, x_s, w_s = _peeled_tile(acc, w1, 1, x_ptrs, xs_ptrs, ws_ptrs, kb, nkb, k_hi - k_lo, x_s, w_s, a_s, m_mask,
+                                     n_mask, rk, fp8_max, q_ty, BLOCK_K, PER_CHANNEL, QUANT, SWAP, W_SCALAR)
+    if PRELOAD >= 3:
+        acc, x_s, w_s = _peeled_tile(acc, w2, 2, x_ptrs, xs_ptrs, ws_ptrs, kb, nkb, k_hi - k_lo, x_s, w_s, a_s, m_mask,
+                                     n_mask, rk, fp8_max, q_ty, BLOCK_K, PER_CHANNEL, QUANT, SWAP, W_SCALAR)
+    if PRELOAD >= 4:
+        acc, x_s, w_s = _peeled_tile(acc, w3, 3, x_ptrs, xs_ptrs, ws_ptrs, kb, nkb, k_hi - k_lo, x_s, w_s, a_s, m_mask,
+                                     n_mask, rk, fp8_max, q_ty, BLOCK_K, PER_CHANNEL, QUANT, SWAP, W_SCALAR)
+    x_ptrs += (PRELOAD - 1) * BLOCK_K
+    w_ptrs += (PRELOAD - 1) * BLOCK_K
     for k0 in range(k_lo + PRELOAD * BLOCK_K, k_hi, BLOCK_K):
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -252,7 +275,9 @@ def _plan(bn: int, bk: int, split: int, quant: bool, warps: int, swap: bool = Fa
 # _plan(BLOCK_N, BLOCK_K, SPLIT_K, QUANT, num_warps); the comments: us per call at 1 or 64 rows,
 # that plan / the rule then (which quantized in the GEMM at 16 rows).
 PLANS: dict[tuple[int, int, int, int | None], dict] = {
-    (16, 6144, 4096, 128): _plan(64, 128, 4, False, 4, swap=True),  # H100 11-27, 1 row: 13.9 us / 14.2 (plan before)
+    # H200, 2026-11-29, in the Llama-3-8B b=1 step (benchmarks.ab_decode, plans as variants): every tile of a
+    # program before the PDL wait with one stage, the input quantized in the GEMM (no launch ahead): 2.788 / 2.804 ms
+    (16, 6144, 4096, 128): dict(_plan(128, 128, 8, True, 4, swap=True), num_stages=1, PRELOAD=4),
     (16, 6144, 4096, None): _plan(64, 256, 1, False, 4, swap=True),  # H100 11-27, 16 rows: 13.7 / 14.9
     (16, 4096, 4096, 128): _plan(128, 128, 8, True, 4, swap=True),  # H100 11-27: 10.2 / 11.3
     (16, 4096, 4096, None): _plan(64, 512, 1, False, 4, swap=True),  # H100 11-27, 16 rows: 11.1 / 13.2
@@ -262,7 +287,10 @@ PLANS: dict[tuple[int, int, int, int | None], dict] = {
     (16, 4096, 14336, None): _plan(64, 512, 1, False, 4, swap=True),  # H100 11-27, 16 rows: 33.7 / 37.8
     (16, 5120, 2048, 128): _plan(64, 128, 8, True, 2),  # 7.5/11.4
     (16, 5120, 2048, None): _plan(64, 256, 1, False, 4, swap=True),  # H100 11-27, 16 rows: 8.4 / 9.8
-    (16, 2048, 4096, 128): _plan(64, 128, 16, True, 2),  # 7.0/10.7
+    # H200, 2026-11-29, in the Qwen3-30B-A3B b=1 step: both tiles of a program before the wait, one stage, SWAP:
+    # 2.402 ms against 2.414 for 4 tiles a program (256 programs), which had taken 2.408 against 2.457 (this plan's
+    # predecessor, _plan(64, 128, 16, True, 2))
+    (16, 2048, 4096, 128): dict(_plan(64, 128, 16, True, 4, swap=True), num_stages=1, PRELOAD=2),
     (16, 2048, 4096, None): _plan(64, 512, 4, False, 4, swap=True),  # H100 11-27, 16 rows: 8.8 / 9.7
     (64, 6144, 4096, None): _plan(32, 128, 1, False, 4),  # 16.6/17.9
     # H200, 2026-11-27 (strips of 128 added to the 64-row sweep): each strip re-reads the 64 rows of x
@@ -314,7 +342,8 @@ def plan(m: int, n: int, k: int, block_k: int | None, sms: int = 132) -> dict:
     """The tile plan for m <= MAX_ROWS rows of x @ w.T, w [N, K] (block_k: the weight's K block,
     None per-channel). At 64 rows two weight tiles come before the PDL wait (PRELOAD), not one:
     the Llama-3-8B FP8 step at b=64 took 5.99 ms against 6.11 / 6.16 ms before and after it in
-    one call (H200, 2026-11-27); at b=1 3.050 against 3.034 / 3.030 ms, so 16 rows keep one."""
+    one call (H200, 2026-11-27); at b=1 3.050 against 3.034 / 3.030 ms, so 16 rows keep one,
+    except where a PLANS entry puts all of a program's tiles (2-4) before the wait with one stage."""
     bucket = row_bucket(m)
     p = dict(PLANS.get((bucket, n, k, block_k)) or default_plan(bucket, n, k, block_k, sms))
     return dict(p, PRELOAD=2) if bucket == 64 else p
