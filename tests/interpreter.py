@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # The modules that call run_under_interpreter (each with `python -m` of itself).
-MODULES = ("tests.benchmarks.test_fp8_moe", "tests.benchmarks.test_kv_gather",
+MODULES = ("tests.benchmarks.test_boundary", "tests.benchmarks.test_fp8_moe", "tests.benchmarks.test_kv_gather",
            "tests.engine.test_fp8_layers_interpreter", "tests.kernels.test_fp8", "tests.kernels.test_triton_interpreter")
 collected: set[str] = set()  # the session's test modules (tests/conftest.py), to start alongside
 _runs: dict[str, tuple[subprocess.Popen, Path, Path, float]] = {}  # module -> (process, stdout, stderr, start)
