@@ -16,7 +16,8 @@ KernelConfig (python -m tandem.server --help says what each does). "plans=FILE" 
 config with the plans that benchmarks.plan_tune wrote to FILE (--out) in place while that engine
 captures its decode graphs (GEMM and expert plans in their tables, the decode attention's through
 plan_tune's hook): the plans it found, timed as the engine runs them. It joins fields to turn off
-like any other part: "plans=FILE+no-pdl".
+like any other part: "plans=FILE+no-pdl", and other plans files: "plans=A+plans=B" installs A's
+plans, then B's (B's win where both set one).
 
   python -m benchmarks.ab_decode --models llama3-8b --variants default no-fuse-norms no-pdl
   python -m benchmarks.ab_decode --models llama3-8b --fp8 block --kv-cache-dtype fp8 --batch 64 \
@@ -61,15 +62,16 @@ def kernel_fields(variant: str) -> dict:
 
 
 def tuned_plans(variant: str) -> list[tuple[dict | None, object, dict]]:
-    """(table, key, plan) for each walk's best plan in the plan_tune JSON a "plans=FILE" variant
-    names; [] for other variants. The decode attention's launch plan has no table: its entry is
+    """(table, key, plan) for each walk's best plan in the plan_tune JSON files a variant's "plans="
+    parts name, file by file in the variant's order (installed in that order, so a later file's
+    plan wins); [] for other variants. The decode attention's launch plan has no table: its entry is
     (None, "attention", the override plan_tune's DecodeAttentionPlan hook puts on the rule's plan)."""
     files = [part.removeprefix("plans=") for part in variant.split("+") if part.startswith("plans=")]
     if not files:
         return []
     from tandem.kernels.triton import fp8_skinny, linear, moe
     out = []
-    for w in json.loads(Path(files[0]).read_text())["walks"]:
+    for w in (w for f in files for w in json.loads(Path(f).read_text())["walks"]):
         kind, _, key = w["what"].partition(" ")
         if kind == "fp8":
             out.append((fp8_skinny.PLANS, ast.literal_eval(key), w["best"]))

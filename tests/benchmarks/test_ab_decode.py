@@ -78,3 +78,20 @@ def test_a_plans_file_joins_fields_turned_off(tmp_path):
     assert ab_decode.kernel_fields(f"plans={plans}") == {} and ab_decode.tuned_plans("no-pdl") == []
     with pytest.raises(SystemExit, match="unknown variant part"):
         ab_decode.kernel_fields(f"plans={plans}+pdl")
+
+
+def test_plans_files_join_in_order_the_later_winning(tmp_path):
+    """"plans=A+plans=B": both files' plans, installed in that order, so B's plan wins a key both set."""
+    from tandem.kernels.triton import fp8_skinny
+    shared, own = (16, 4096, 4096, 128), (16, 6144, 4096, 128)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"walks": [{"what": f"fp8 {shared}", "best": {"BLOCK_N": 64}},
+                                       {"what": f"fp8 {own}", "best": {"BLOCK_N": 32}}]}))
+    b.write_text(json.dumps({"walks": [{"what": f"fp8 {shared}", "best": {"BLOCK_N": 128}}]}))
+    plans = ab_decode.tuned_plans(f"plans={a}+plans={b}+no-pdl")
+    assert [(key, plan) for _, key, plan in plans] == [(shared, {"BLOCK_N": 64}), (own, {"BLOCK_N": 32}),
+                                                       (shared, {"BLOCK_N": 128})]
+    before = dict(fp8_skinny.PLANS)
+    with ab_decode.plans_installed(plans):
+        assert fp8_skinny.PLANS[shared] == {"BLOCK_N": 128} and fp8_skinny.PLANS[own] == {"BLOCK_N": 32}
+    assert fp8_skinny.PLANS == before
