@@ -6,7 +6,10 @@ token (group), so logprobs agree within LOGPROB_TOL, not bit for bit; greedy tok
 identical wherever the reference's top-2 logit margin exceeds 2 * LOGPROB_TOL at every step.
 """
 import json
+import multiprocessing
 import shutil
+import threading
+import time
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from safetensors.torch import save_file
 
 from tandem.engine import LLM, SamplingParams
 from tests.engine.fp8_writer import FORMATS, write_fp8_checkpoint
+from tests.ports import free_port_range
 
 ARCHS = ["llama", "qwen3", "qwen3_moe", "mixtral"]
 LOGPROB_TOL = 0.05  # |logprob(engine, fp8 activations) - logprob(HF, dequantized weights)|
@@ -183,7 +187,6 @@ def test_fp8_checkpoint_under_tensor_and_expert_parallel(tiny_models, tmp_path, 
     the experts sharded over the two ranks (--enable-expert-parallel), against HF on the dequantized
     weights, as the single-process tests above. Each rank holds half of every projection's rows (and
     their block scales), half of the row-parallel inputs, and half of the experts whole."""
-    from tests.ports import free_port_range
     src = tiny_models[arch][0]
     tensors = write_fp8_checkpoint(src, tmp_path / "fp8", fmt)
     llm = LLM(str(tmp_path / "fp8"), block_size=4, tensor_parallel_size=2, enable_expert_parallel=ep,
@@ -206,11 +209,6 @@ def test_fp8_block_not_dividing_a_rank_shard_is_a_clear_error(tiny_models, tmp_p
     own error; workers that die of it first wait for it, engine/worker.py START_GRACE_S). The failed
     start leaves no worker process and no watchdog behind: one used to exit the host process (this
     test run) once the workers died of the same error, after the exception had been handled."""
-    import multiprocessing
-    import threading
-    import time
-
-    from tests.ports import free_port_range
     write_fp8_checkpoint(tiny_models["llama"][0], tmp_path / "fp8", "hf_block")
     with pytest.raises(Exception, match="use another --tensor-parallel-size"):
         LLM(str(tmp_path / "fp8"), block_size=4, tensor_parallel_size=4, master_port=free_port_range(1))
