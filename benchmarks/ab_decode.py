@@ -71,7 +71,8 @@ def tuned_plans(variant: str) -> list[tuple[dict | None, object, dict]]:
         return []
     from tandem.kernels.triton import fp8_skinny, linear, moe
     out = []
-    for w in (w for f in files for w in json.loads(Path(f).read_text())["walks"]):
+    walks = [w for f in files for w in json.loads(Path(f).read_text())["walks"]]
+    for w in walks:
         kind, _, key = w["what"].partition(" ")
         if kind == "fp8":
             out.append((fp8_skinny.PLANS, ast.literal_eval(key), w["best"]))

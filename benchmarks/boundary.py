@@ -106,7 +106,8 @@ def persistent(w: torch.Tensor, dep: torch.Tensor, count: torch.Tensor, n: int, 
 
 
 def graph_us(fn, reps: int = 20) -> float:
-    """Median us of a CUDA graph replay of fn."""
+    """Median us of a CUDA graph replay of fn (benchmarks.profile_decode's event timing of the replay)."""
+    from benchmarks.profile_decode import gpu_time_us
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -115,17 +116,9 @@ def graph_us(fn, reps: int = 20) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    for _ in range(3):
+    for _ in range(2):  # (gpu_time_us replays once more before it times: three warm-up replays)
         g.replay()
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return gpu_time_us(g.replay, reps)
 
 
 def measure(per_sm: int, nbytes: int, warps: int, sms: int) -> dict:
