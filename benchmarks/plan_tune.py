@@ -51,10 +51,21 @@ def _others(values: tuple, current) -> list:
     return [v for v in values if v != current]
 
 
-def gemm_neighbours(p: dict, k: int, block_k: int | None) -> list[dict]:
+def gemm_start(key: tuple) -> dict:
+    """The decode-tile plan a walk over FP8 key (row bucket, N, K, K block) starts from: the one the GEMM
+    runs now, as the table would hold it (plan() sets PRELOAD at 64 rows whatever the table says, so
+    that walk leaves it out; a 16-row plan keeps its own)."""
+    from tandem.kernels.triton import fp8_skinny
+    bucket = key[0]
+    return {name: v for name, v in fp8_skinny.plan(*key).items() if not (bucket == 64 and name == "PRELOAD")}
+
+
+def gemm_neighbours(p: dict, k: int, block_k: int | None, preload: bool = False) -> list[dict]:
     """Plans one step away from decode-tile plan p (kernels/triton/fp8_skinny.py) for a weight of K
     columns (block_k: its K block, None per-channel): strip width, split, warps, stages, QUANT and
-    SWAP each moved alone. Every plan keeps split * BLOCK_K dividing K and SWAP strips >= 64."""
+    SWAP each moved alone, and with `preload` (the 16-row tile, whose plans set it) the weight tiles
+    loaded before the PDL wait (PRELOAD 1-4). Every plan keeps split * BLOCK_K dividing K and SWAP
+    strips >= 64."""
     swap = p.get("SWAP", False)
     out = []
 
@@ -72,8 +83,11 @@ def gemm_neighbours(p: dict, k: int, block_k: int | None) -> list[dict]:
         add(SPLIT_K=split)
     for warps in _near((2, 4, 8), p["num_warps"]):
         add(num_warps=warps)
-    for stages in _near((2, 3, 4, 5, 6), p["num_stages"]):
+    for stages in _near((1, 2, 3, 4, 5, 6), p["num_stages"]):
         add(num_stages=stages)
+    if preload:
+        for tiles in _near((1, 2, 3, 4), p.get("PRELOAD", 1)):
+            add(PRELOAD=tiles)
     if block_k is None:
         for bk in _near((128, 256, 512), p["BLOCK_K"]):
             add(BLOCK_K=bk)
@@ -323,8 +337,8 @@ def tune(llm, batch: int, reps: int, rounds: int, min_gain: float, tolerance: fl
         walks = []
         for key in fp8_keys if "gemm" in only else []:
             bucket, n, k, block_k = key
-            start = {name: v for name, v in fp8_skinny.plan(bucket, n, k, block_k).items() if name != "PRELOAD"}
-            walks.append(_walk(f"fp8 {key}", start, lambda p, k=k, b=block_k: gemm_neighbours(p, k, b),
+            walks.append(_walk(f"fp8 {key}", gemm_start(key),
+                               lambda p, k=k, b=block_k, pre=bucket == 16: gemm_neighbours(p, k, b, pre),
                                lambda p, key=key: fp8_skinny.PLANS.__setitem__(key, p), timer, min_gain))
         for key in bf16_keys if "skinny" in only else []:
             n, k = key

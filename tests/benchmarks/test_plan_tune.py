@@ -2,7 +2,8 @@
 functions; the GPU part (recapture, check, replay timing) runs only on a device. No timing asserted."""
 import pytest
 
-from benchmarks.plan_tune import attention_neighbours, descend, gemm_neighbours, moe_neighbours, skinny_neighbours
+from benchmarks.plan_tune import (attention_neighbours, descend, gemm_neighbours, gemm_start, moe_neighbours,
+                                  skinny_neighbours)
 from tandem.kernels.triton.fp8_skinny import _plan
 from tandem.kernels.triton.moe import W8A16_PAIRS
 
@@ -30,6 +31,21 @@ def test_gemm_neighbours_of_a_non_swap_plan_include_its_swap_form():
     assert dict(start, SWAP=True, BLOCK_N=64, num_warps=4) in near
     assert all(p["SPLIT_K"] * 128 <= 4096 for p in near)
     assert dict(start, SPLIT_K=32) not in near  # past the splits tried
+
+
+def test_16_row_neighbours_move_the_tiles_before_the_wait():
+    start = dict(_plan(128, 128, 8, True, 4, swap=True), num_stages=1, PRELOAD=4)  # (an 8B qkv plan)
+    near = gemm_neighbours(start, 4096, 128, preload=True)
+    assert dict(start, PRELOAD=3) in near and dict(start, num_stages=2) in near
+    assert all(p.get("PRELOAD", 1) in (1, 2, 3, 4) for p in near)
+    assert not any(p.get("PRELOAD") != 4 for p in gemm_neighbours(start, 4096, 128))  # (64 rows: plan() sets it)
+
+
+def test_walks_start_from_the_plan_the_gemm_runs():
+    from tandem.kernels.triton import fp8_skinny
+    assert gemm_start((16, 6144, 4096, 128))["PRELOAD"] == 4  # (the table's 8B qkv plan, before: dropped)
+    assert gemm_start((16, 6144, 4096, 128)) == fp8_skinny.PLANS[(16, 6144, 4096, 128)]
+    assert "PRELOAD" not in gemm_start((64, 6144, 4096, 128))
 
 
 def test_per_channel_neighbours_try_k_tiles():
