@@ -283,7 +283,9 @@ PLANS: dict[tuple[int, int, int, int | None], dict] = {
     (16, 4096, 4096, None): _plan(64, 512, 1, False, 4, swap=True),  # H100 11-27, 16 rows: 11.1 / 13.2
     (16, 28672, 4096, 128): _plan(64, 128, 1, False, 4, swap=True),  # H100 11-27: 47.7 / 48.3
     (16, 28672, 4096, None): _plan(64, 256, 1, False, 4, swap=True),  # H100 11-27, 16 rows: 48.3 / 52.5
-    (16, 4096, 14336, 128): _plan(128, 128, 8, True, 4, swap=True),  # H100 11-27: 27.3 / 28.1
+    # H200, 2026-11-29, in the Llama-3-8B b=1 step (benchmarks.plan_tune, then ab_decode): 8 warps, 2.743 / 2.758 ms
+    # (before, the H100 11-27 sweep's 4 warps: 27.3 us alone against the rule's 28.1)
+    (16, 4096, 14336, 128): _plan(128, 128, 8, True, 8, swap=True),
     (16, 4096, 14336, None): _plan(64, 512, 1, False, 4, swap=True),  # H100 11-27, 16 rows: 33.7 / 37.8
     (16, 5120, 2048, 128): _plan(64, 128, 8, True, 2),  # 7.5/11.4
     (16, 5120, 2048, None): _plan(64, 256, 1, False, 4, swap=True),  # H100 11-27, 16 rows: 8.4 / 9.8
