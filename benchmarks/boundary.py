@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.triton.pdl import wait_previous
+
 # (programs an SM, bytes a program a stage, warps): no bytes (the boundary alone), then a 4096 x 4096
 # fp8 weight's worth of bytes a stage (17.3 MB on 132 SMs) cut four ways
 SHAPES = [(2, 256, 4), (1, 256, 4), (2, 65536, 4), (2, 65536, 8), (1, 131072, 8), (4, 32768, 4)]
@@ -36,9 +38,7 @@ def _stage_kernel(w_ptr, dep_in, dep_out, WORDS: tl.constexpr, EARLY: tl.constex
     w = tl.zeros([WORDS], tl.int32)
     if EARLY:
         w = tl.load(w_ptr + pid * WORDS + offs)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_previous(PDL)
     if not EARLY:
         w = tl.load(w_ptr + pid * WORDS + offs)
     d = tl.load(dep_in + (pid + 1) % tl.num_programs(0))
