@@ -120,11 +120,13 @@ def warmup_plan(max_tokens: int, max_seqs: int, max_model_len: int, graph_sizes:
 
 
 def attention_plan_fn(launch_plans: Callable, num_heads: int, num_kv_heads: int, head_dim: int,
-                      dtype, block_size: int, device=None, quant_out: Callable | None = None) -> PlanFn:
+                      dtype, block_size: int, device=None, quant_out: Callable | None = None,
+                      early_out: Callable | None = None) -> PlanFn:
     """Per attention launch of a batch: its plan (tiles, splits, q range), and the int classes of
     the arguments it specializes on: the sequence count and the block table's row stride (its
     width: the longest context in blocks); with quant_out (the layer's: q [T, ...] -> spec or None),
-    whether the launch writes its output quantized. device: the GPU whose SM count the plans use."""
+    whether the launch writes its output quantized; with early_out (the layer's: q -> bool) whether its split
+    merge lets the next launch in early. device: the GPU whose SM count the plans use."""
     import torch
 
     q = torch.empty(1, 1, 1, dtype=dtype, device=device)
@@ -134,7 +136,7 @@ def attention_plan_fn(launch_plans: Callable, num_heads: int, num_kv_heads: int,
         plans = launch_plans(rows, num_heads // num_kv_heads, len(b.query_lens), num_kv_heads, max(b.query_lens),
                              max(b.seq_lens), b.from_start)
         args = (int_class(len(b.query_lens)), int_class(-(-max(b.seq_lens) // block_size)),
-                quant_out is not None and quant_out(rows) is not None)
+                quant_out is not None and quant_out(rows) is not None, early_out is not None and early_out(rows))
         return tuple((tuple(sorted(p.items())),) + args for p in plans)
     return launches
 
@@ -149,7 +151,7 @@ def _kernel_plan_fns(runner) -> tuple[PlanFn, ...]:
         return ()
     a = runner.attention_layers[0]
     fns = (attention_plan_fn(_launch_plans, a.num_heads, a.num_kv_heads, a.head_dim, runner.dtype, runner.block_size,
-                             runner.device, getattr(a, "quant_out", None)),)
+                             runner.device, getattr(a, "quant_out", None), getattr(a, "early_out", None)),)
     fp8 = next((m for m in runner.model.modules() if hasattr(m, "fp8_block") and hasattr(m, "weight_scale")), None)
     if fp8 is not None:  # the FP8 GEMM's tile family by rows (decode-tile row buckets, prefill tiles)
         from tandem.kernels.triton.fp8 import plan_key

@@ -248,6 +248,35 @@ def _decode_tile(x: torch.Tensor, block: tuple[int, int] | None, config: KernelC
     return supports(x.shape[0], block)
 
 
+TMA_MIN_BYTES = 12 << 20
+
+
+def _tma_device(x: torch.Tensor) -> bool:
+    """An NVIDIA GPU of compute capability 9.0 or newer (TMA, wgmma)."""
+    return x.is_cuda and torch.version.cuda is not None and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def _tma_gemm(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None, config: KernelConfig) -> bool:
+    """Whether the o projection x @ w.T (ahead of a pending norm) runs on the Gluon TMA decode GEMM:
+    config.fp8_tma_gemm, a weight of TMA_MIN_BYTES or more (more than HBM streams during the attention's split
+    merge alone, ~2 us or ~9 MB on an H200, so that letting it in early pays: tma_early), such a GPU, a shape
+    kernels/triton/fp8_tma.py takes. In the decode step on an H200 (benchmarks/RESULTS.md): Llama-3-8B's o (16 MiB)
+    2.707 -> 2.609 ms at b=1 and 3.621 -> 3.564 at b=16 with the early launch; Qwen3-30B-A3B's (8 MiB) 2.395 ->
+    2.383 at b=1 but 6.647 -> 6.833 at b=16, so it keeps the Triton GEMM."""
+    if not (config.fp8_tma_gemm and w.numel() * w.element_size() >= TMA_MIN_BYTES and _tma_device(x)):
+        return False
+    from tandem.kernels.triton import fp8_tma
+    return fp8_tma.supports(x, w, block)
+
+
+def tma_early(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None,
+              config: KernelConfig = DEFAULT_KERNELS) -> bool:
+    """Whether the kernel producing x (the attention's split merge) lets the TMA decode GEMM of x @ w.T in before
+    its own PDL wait (config.fp8_tma_early), so its weight streams in while the attention runs: wherever that GEMM
+    runs (_tma_gemm)."""
+    return config.fp8_tma_early and _tma_gemm(x, w, block, config)
+
+
 def fp8_linear_add_norm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
                         residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         config: KernelConfig = DEFAULT_KERNELS) -> PendingNorm | None:
@@ -256,6 +285,10 @@ def fp8_linear_add_norm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     apply. x: [T, K]; w: [N, K] fp8; residual: [T, N]; norm_weight: [N]."""
     if not (_decode_tile(x, block, config) and norm_weight.dtype == residual.dtype == x.dtype):
         return None
+    if _tma_gemm(x, w, block, config):
+        from tandem.kernels.triton.fp8_tma import fp8_tma_linear
+        s, sg, ss = fp8_tma_linear(x, w, w_scale, residual, norm_weight, pdl=config.pdl)
+        return PendingNorm(s, sg, ss, norm_weight, eps)
     if fp8_decode_rows(x, block, config):
         from tandem.kernels.triton.linear import skinny_linear_add_norm_triton
         s, sg, ss = skinny_linear_add_norm_triton(x, w, residual, norm_weight, pdl=config.pdl, w_scale=w_scale,

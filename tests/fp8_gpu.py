@@ -11,3 +11,16 @@ def fp8_gpu_dtype() -> torch.dtype:
     if not torch.cuda.is_available() or not has_fp8_compute(torch.device("cuda")):
         pytest.skip("needs a GPU with FP8")
     return fp8_dtype("cuda")
+
+
+def hopper_block_case(m: int, n: int, k: int) -> tuple[torch.Generator, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The TMA / wgmma kernels' case (skips without an NVIDIA GPU of compute capability 9.0+): a random
+    block-scaled (128, 128) e4m3 weight [n, k] with its scales and bf16 rows x [m, k], and the generator
+    that made them (seeded 0) for anything more the test draws."""
+    if not torch.cuda.is_available() or torch.version.cuda is None or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs TMA and wgmma (compute capability 9.0+)")
+    from tandem.kernels.fp8 import quantize_weight
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w, ws = quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05,
+                            block=(128, 128))
+    return g, w, ws, torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)

@@ -11,6 +11,7 @@ from tandem.kernels.attention import NewTokens
 
 class Attention(nn.Module):
     quant_spec: Callable[[torch.Tensor], tuple | None] | None = None  # the FP8 o projection's quant_ahead
+    early_spec: Callable[[torch.Tensor], bool] | None = None  # the FP8 o projection's tma_early
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
                  kernels: KernelConfig):
@@ -45,8 +46,14 @@ class Attention(nn.Module):
         quant = self.quant_out(q)
         out = paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens,
                               ctx.query_start_loc, self.scale, ctx.max_query_len, ctx.max_seq_len,
-                              (k, v) if dense else None, rope, self.kernels, quant)
+                              (k, v) if dense else None, rope, self.kernels, quant, early=self.early_out(q))
         return out if quant else out.flatten(1)
+
+    def early_out(self, q: torch.Tensor) -> bool:
+        """Whether this step's split merge lets the o projection's launch in before its own PDL wait (the FP8
+        o projection's tma_early, linked as early_spec by engine/layers/fp8.py)."""
+        return self.early_spec is not None and self.early_spec(
+            q.new_empty(()).expand(q.shape[0], self.num_heads * self.head_dim))
 
     def quant_out(self, q: torch.Tensor) -> tuple | None:
         """(fp8 dtype, head_dim) where the FP8 o projection after takes this step's output [T, Hq * D]

@@ -24,7 +24,8 @@ from tandem.engine.quantization import Fp8Scheme, fp8_scheme
 from tandem.engine.layers.norm import DeferredOutput
 from tandem.kernels.ep import NoDispatch
 from tandem.kernels.fp8 import (E4M3, QuantRows, e4m3fn_to_fnuz, fp8_decode_rows, fp8_dtype, fp8_linear,
-                               fp8_linear_add_norm, fp8_linear_normed, fused_experts_fp8, quant_ahead, quantize_weight)
+                               fp8_linear_add_norm, fp8_linear_normed, fused_experts_fp8, quant_ahead, quantize_weight,
+                               tma_early)
 from tandem.kernels.linear import PendingNorm
 
 logger = logging.getLogger(__name__)
@@ -128,6 +129,12 @@ class Fp8Linear:
         """(fp8 dtype, group) where this layer's input rows x are better written quantized by the kernel
         producing them (kernels.fp8.quant_ahead), else None."""
         return quant_ahead(x, self.weight, self.fp8_block, self.kernels)
+
+    def tma_early(self, x: torch.Tensor) -> bool:
+        """Whether the kernel producing this layer's input rows x lets its launch in early (kernels.fp8.tma_early),
+        where this layer runs as _fp8_add_norm would run it."""
+        return (getattr(self, "norm_after", False) and tp_size() == 1 and self.bias is None
+                and tma_early(x, self.weight, self.fp8_block, self.kernels))
 
     def _fp8_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> PendingNorm | None:
         """This layer's output + residual with `norm` left pending for the next GEMM, or None (nothing
@@ -261,7 +268,9 @@ def link_quantized_inputs(model: nn.Module) -> int:
     """Point each RMSNorm, attention or activation whose output only an FP8 linear layer reads (a decoder
     layer's norms ahead of qkv_proj and a dense gate_up_proj, the attention ahead of o_proj, the MLP's
     activation ahead of down_proj) at that layer's quant_ahead, so it writes the rows quantized where the
-    layer would quantize them in a launch of its own (engine/layers/norm.py). Returns how many were linked."""
+    layer would quantize them in a launch of its own (engine/layers/norm.py), and the attention at the o
+    projection's tma_early (whether its split merge lets the o projection in early). Returns how many
+    quant_ahead links were made."""
     linked = 0
     for m in model.modules():
         attn, mlp = getattr(m, "self_attn", None), getattr(m, "mlp", None)
@@ -272,6 +281,8 @@ def link_quantized_inputs(model: nn.Module) -> int:
             if isinstance(consumer, Fp8Linear) and hasattr(producer, "quant_spec"):
                 producer.quant_spec = consumer.quant_ahead  # a bound method: not a submodule of the producer
                 linked += 1
+            if isinstance(consumer, Fp8Linear) and hasattr(producer, "early_spec"):
+                producer.early_spec = consumer.tma_early
     return linked
 
 

@@ -394,8 +394,12 @@ def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr, seq_lens_ptr, num_seqs, max_q_len, head_dim,
     stride_ot, stride_oh, q8_ptr, q8s_ptr, stride_q8t, stride_q8st, fp8_max,
     NUM_SPLITS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr, QUANT_OUT: tl.constexpr = False,
+    PDL: tl.constexpr, QUANT_OUT: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):
+    """EARLY: the next launch is let in first, before this one waits (its programs then wait for this whole
+    grid, which waits for the attention: the order of effects stays the stream's)."""
+    if EARLY and PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     h = tl.program_id(1)
     if t >= tl.load(query_start_loc_ptr + num_seqs):  # padding token: nothing was computed
@@ -532,7 +536,7 @@ def paged_attention_triton(
     max_query_len: int | None = None, max_seq_len: int | None = None,
     dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope: "NewTokens | None" = None,
     pdl: bool = True, int_convert: bool = True, quant: tuple[torch.dtype, int] | None = None,
-    kv_f16: bool = True,
+    kv_f16: bool = True, early: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hk, D]; block_tables: [S, max_blocks] int32;
     seq_lens: [S] (context incl. the new tokens); query_start_loc: [S+1]. Returns [T, Hq, D].
@@ -550,16 +554,18 @@ def paged_attention_triton(
     f16 subnormals; a model whose q passes 65504 needs --no-fp8-kv-f16).
     quant = (fp8 dtype, D): the output is written as the o projection's FP8 input instead,
     (q [T, Hq * D] fp8, s [T, Hq] float32) as kernels.fp8.quantize_rows writes it in groups of D.
+    early: the split merge lets the next launch in before its own PDL wait (kernels.fp8.tma_early).
     """
     return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                             max_query_len, max_seq_len, dense_kv=dense_kv, rope=rope, pdl=pdl,
-                            int_convert=int_convert, quant=quant, kv_f16=kv_f16)
+                            int_convert=int_convert, quant=quant, kv_f16=kv_f16, early=early)
 
 
 def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                      max_query_len=None, max_seq_len=None, plan: dict | None = None,
                      dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope=None,
-                     pdl: bool = True, int_convert: bool = True, quant=None, kv_f16: bool = True):
+                     pdl: bool = True, int_convert: bool = True, quant=None, kv_f16: bool = True,
+                     early: bool = False):
     """paged_attention_triton with an optional explicit launch plan (benchmark sweeps)."""
     num_tokens, num_heads, head_dim = q.shape
     if quant is not None and quant[1] != head_dim:
@@ -635,6 +641,6 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             _merge_splits_kernel[(num_tokens, num_heads)](
                 out, part_acc, part_ml, query_start_loc, seq_lens, num_seqs, p["Q_RANGE"][1], head_dim,
                 out.stride(0), out.stride(1), *quant_args, NUM_SPLITS=splits, D_PAD=d_pad, BLOCK_Q=block_q,
-                BLOCK_N=p["BLOCK_N"], QUANT_OUT=quant is not None, num_warps=4, **launch_args(q, pdl),
+                BLOCK_N=p["BLOCK_N"], QUANT_OUT=quant is not None, EARLY=early, num_warps=4, **launch_args(q, pdl),
             )
     return result

@@ -4,6 +4,8 @@ result. No timing. (Gluon has no interpreter: the numbers are checked on a GPU o
 import pytest
 import torch
 
+from tests.fp8_gpu import hopper_block_case
+
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
 
@@ -41,14 +43,9 @@ def test_compiles_to_tma_and_wgmma_with_weights_ahead_of_the_wait(split):
 @pytest.mark.parametrize("m, n, k, split, stages, pdl", [(1, 4096, 4096, 4, 4, False), (16, 6144, 4096, 1, 8, True),
                                                         (5, 4096, 14336, 8, 4, True)])
 def test_matches_reference_gpu(m, n, k, split, stages, pdl):
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("needs TMA and wgmma (compute capability 9.0+)")
+    _, w, ws, x = hopper_block_case(m, n, k)
     from benchmarks.gluon_gemv import gemv_tma
-    from tandem.kernels.fp8 import E4M3, fp8_linear_ref, quantize_rows, quantize_weight
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w, ws = quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05,
-                            block=(128, 128))
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    from tandem.kernels.fp8 import E4M3, fp8_linear_ref, quantize_rows
     xq, xs = quantize_rows(x, E4M3, 128)
     tickets = torch.zeros(n // 128, device="cuda", dtype=torch.int32)
     ref = fp8_linear_ref(x, w, ws, (128, 128)).float()

@@ -79,3 +79,57 @@ def test_fp8_tensor_and_expert_parallel_gpu(tiny_models, tmp_path, arch, ep):
         tokens, margin, _ = _greedy_with_margin(ref, prompt, 8)
         if margin > 2 * GPU_TOL:
             assert out.token_ids == tokens, f"top-2 margin {margin:.3f}"
+
+
+
+WIDE_TOL = 2 * GPU_TOL  # hidden 4096: the CPU reference path itself is up to 0.16 off HF at this width
+
+
+def test_fp8_tma_o_projection_gpu(tmp_path, monkeypatch):
+    """The default --fp8-tma-gemm --fp8-tma-early (kernels/triton/fp8_tma.py) on a two-layer Llama with
+    Llama-3-8B's attention ((128, 128) blocks; its o projection takes that GEMM, let in early by the merge): every
+    decode step's logprob of the token it chose, in CUDA graphs and eager, against HF on the dequantized weights
+    fed the same tokens; the graphs' tokens equal eager's; with compile-ahead, no variant of the GEMM or of the
+    merge compiles while the eager engine decodes."""
+    from collections import Counter
+
+    import transformers
+
+    from tandem.engine.layers import attention
+    from tandem.kernels.compile_watch import WATCH
+    from tandem.kernels.triton import fp8_tma
+    fp8_gpu_dtype()
+    calls, earlies = [], []
+    launch, attend = fp8_tma.fp8_tma_linear, attention.paged_attention
+    monkeypatch.setattr(fp8_tma, "fp8_tma_linear", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    monkeypatch.setattr(attention, "paged_attention",
+                        lambda *a, early: earlies.append(early) or attend(*a, early=early))
+    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=4096, num_hidden_layers=2, num_attention_heads=32,
+                                   num_key_value_heads=8, head_dim=128, intermediate_size=1024,
+                                   max_position_embeddings=512, tie_word_embeddings=False,
+                                   architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path / "src")
+    tensors = write_fp8_checkpoint(str(tmp_path / "src"), tmp_path / "fp8", "hf_block", block=(128, 128))
+    ref = _reference(tmp_path, str(tmp_path / "src"), tensors)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    tokens = {}
+    for eager in (True, False):  # eager first: no variant compiled in this process before its compile-ahead
+        llm = LLM(str(tmp_path / "fp8"), device="cuda", compile_ahead=eager, dtype="bfloat16", block_size=16,
+                  kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False, enforce_eager=eager,
+                  max_model_len=512, max_num_seqs=16, max_num_batched_tokens=512)  # (a short compile-ahead)
+        calls.clear()
+        earlies.clear()
+        compiled = Counter(WATCH.by_kernel)
+        outs = llm.generate(PROMPTS, params)
+        assert (calls and any(earlies)) or not eager  # (graphs captured the launches at start-up)
+        late = {k for k in Counter(WATCH.by_kernel) - compiled if "fp8_tma" in k or "merge_splits" in k}
+        assert not (eager and late), f"compile-ahead missed {late}"
+        tokens[eager] = [o.token_ids for o in outs]
+        for prompt, out in zip(PROMPTS, outs):
+            with torch.no_grad():
+                lp = ref(torch.tensor([prompt + out.token_ids])).logits[0].float().log_softmax(-1)
+            for j in range(1, len(out.token_ids)):  # (token 0 comes from the prefill)
+                want = lp[len(prompt) + j - 1, out.token_ids[j]].item()
+                assert abs(out.logprobs[j].logprobs[0] - want) < WIDE_TOL, (eager, j)
+    assert tokens[False] == tokens[True]

@@ -1,0 +1,210 @@
+"""The FP8 decode GEMM with all of its weight in shared memory before the PDL wait (Gluon: TMA and wgmma; Hopper).
+
+Why: at decode the o projection follows the attention and its split merge, during which HBM is all but idle (a
+few MB of K/V), and then streams its weight (16.8 MB on Llama-3-8B) with nothing else running. Here each program
+requests every weight tile of its share by TMA (one descriptor and a coordinate a tile, into shared memory, no
+registers held) before its PDL wait, so the weight can stream in while the kernels ahead still run; with
+KernelConfig.fp8_tma_early the merge lets this launch in before its own wait, i.e. while the attention runs.
+The Triton decode GEMM (kernels/triton/fp8_skinny.py) holds the tiles it loads early in registers, up to 4.
+kernels.fp8 sends the o projection here where its weight is 12 MiB or more (_tma_gemm, with the figures): on an
+H200 the Llama-3-8B b=1 step went from 2.707 to 2.609 ms, its o projection from 8.9 to 5.5 us behind the merge.
+
+Kernel: out.T = w @ x.T for a strip of BN = 128 weight rows (the wgmma's M side) over TILES K tiles of 128 (a
+split of K; SPLIT programs a strip). Block-scaled weights, (128, 128) blocks. x: [M <= 16, K] bf16/fp16, read
+after the wait, quantized here per row and K tile as kernels.fp8.quantize_rows does (each tile's fp8 rows go to
+shared memory for the wgmma). SPLIT > 1: float32 partials, a ticket, the strip's last program sums them
+(kernels/triton/device.py). NORM_OUT: the pending RMSNorm's producer side, as the Triton decode GEMM's.
+
+Gluon (`triton.experimental.gluon`) has no interpreter: CPU tests compile it for sm_90; its numbers are checked
+against kernels.fp8's reference on a GPU.
+"""
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from tandem.kernels.triton.device import MAX_TICKETS, num_sms, tickets
+from tandem.kernels.triton.linear import MAX_ROWS
+from tandem.kernels.triton.pdl import launch_args
+
+BN, BK, BM = 128, 128, MAX_ROWS
+MAX_TILES = 8  # 8 x (16 KB of weight + 6 KB of x) of shared memory a program
+TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # Triton 3.9 / 3.6
+CTA_BARRIER = getattr(gl, "barrier", None) or gl.thread_barrier  # 3.9 / 3.6
+
+
+@gluon.jit
+def _pick(v, i: gl.constexpr, layout: gl.constexpr):
+    """Element i of a small vector v every thread holds whole."""
+    return gl.sum(gl.where(gl.arange(0, v.shape[0], layout=layout) == i, v, 0.0), axis=0)
+
+
+@gluon.jit
+def _fp8_tma_kernel(w_desc, x_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, res_ptr, g_ptr, sg_ptr, ss_ptr,
+                    M, N, stride_xm, stride_ws, stride_om, stride_rm, stride_gm, fp8_max,
+                    TILES: gl.constexpr, SPLIT: gl.constexpr, NORM_OUT: gl.constexpr, PDL: gl.constexpr,
+                    num_warps: gl.constexpr):
+    BN_: gl.constexpr = w_desc.block_type.shape[0]
+    BK_: gl.constexpr = w_desc.block_type.shape[1]
+    BM_: gl.constexpr = 16
+    KP: gl.constexpr = TILES * BK_
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    n0 = pid_n * BN_
+    kb0 = pid_k * TILES
+
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [TILES, BN_, BK_], w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [TILES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(TILES):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+    for i in gl.static_range(TILES):  # the weight depends on no kernel ahead: all of it requested before the wait
+        mbarrier.expect(bars.index(i), w_desc.block_type.nbytes)
+        TMA_LOAD(w_desc, [n0, (kb0 + i) * BK_], bars.index(i), w_smem.index(i))
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                   instr_shape=[16, BM_, 256 // w_desc.dtype.primitive_bitwidth])
+    rm = gl.arange(0, BM_, layout=gl.SliceLayout(0, mma))
+    rn = n0 + gl.arange(0, BN_, layout=gl.SliceLayout(1, mma))
+    mask = (rm < M)[None, :] & (rn < N)[:, None]
+    vec: gl.constexpr = gl.BlockedLayout([TILES], [32], [num_warps], [0])  # every thread holds the whole vector
+    ws = gl.load(ws_ptr + pid_n * stride_ws + kb0 + gl.arange(0, TILES, layout=vec))  # the strip's scales
+    g = gl.zeros([BN_], gl.float32, gl.SliceLayout(1, mma))
+    if NORM_OUT:
+        g = gl.load(g_ptr + rn, mask=rn < N, other=0.0).to(gl.float32)
+    if PDL:  # (kernels/triton/pdl.py's wait_previous)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+    # after the wait, every load at once: x (all of the program's K share) and the epilogue's residual
+    xl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    xr = gl.arange(0, BM_, layout=gl.SliceLayout(1, xl))
+    xc = gl.arange(0, KP, layout=gl.SliceLayout(0, xl))
+    xall = gl.load(x_ptr + xr[:, None] * stride_xm + kb0 * BK_ + xc[None, :], mask=(xr < M)[:, None], other=0.0)
+    r = gl.zeros([BN_, BM_], gl.float32, mma)
+    if NORM_OUT:
+        r = gl.load(res_ptr + rm[None, :] * stride_rm + rn[:, None], mask=mask, other=0.0).to(gl.float32)
+    # x staged in shared memory, each K tile's rows quantized (fp8 rows for the wgmma, their scales beside), one
+    # barrier for all tiles
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    xb_smem = gl.allocate_shared_memory(xall.dtype, [BM_, KP], plain, xall)
+    x8_smem = gl.allocate_shared_memory(w_desc.dtype, [TILES, BM_, BK_],
+                                        gl.NVMMASharedLayout.get_default_for([BM_, BK_], w_desc.dtype))
+    xs_smem = gl.allocate_shared_memory(gl.float32, [TILES * BM_], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    CTA_BARRIER()
+    for i in gl.static_range(TILES):
+        xt = xb_smem.slice(i * BK_, BK_, dim=1).load(xl).to(gl.float32)
+        s = gl.maximum(gl.max(gl.abs(xt), axis=1) / fp8_max, 1e-12)
+        x8_smem.index(i).store(gl.minimum(gl.maximum(xt / s[:, None], -fp8_max), fp8_max).to(w_desc.dtype))
+        xs_smem.slice(i * BM_, BM_).store(s)
+    fence_async_shared()
+    CTA_BARRIER()  # every thread's rows are in shared memory before the warpgroup reads them
+
+    acc = gl.zeros([BN_, BM_], gl.float32, mma)
+    for i in gl.static_range(TILES):
+        mbarrier.wait(bars.index(i), 0)
+        d = warpgroup_mma(w_smem.index(i), x8_smem.index(i).permute((1, 0)), gl.zeros([BN_, BM_], gl.float32, mma),
+                          use_acc=False)
+        acc += d * (xs_smem.slice(i * BM_, BM_).load(gl.SliceLayout(0, mma)) * _pick(ws, i, vec))[None, :]
+    for i in gl.static_range(TILES):
+        mbarrier.invalidate(bars.index(i))
+
+    if SPLIT > 1:
+        gl.store(part_ptr + (pid_k * BM_ + rm[None, :]) * N + rn[:, None], acc, mask=mask)
+        CTA_BARRIER()  # every thread's partial is written before the ticket is taken
+        if gl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            total = gl.zeros([BN_, BM_], gl.float32, mma)
+            for sp in gl.static_range(SPLIT):
+                total += gl.load(part_ptr + (sp * BM_ + rm[None, :]) * N + rn[:, None], mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+            _write_out(total, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_om, stride_gm, NORM_OUT)
+            gl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    else:
+        _write_out(acc, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_om, stride_gm, NORM_OUT)
+
+
+@gluon.jit
+def _write_out(acc, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_om, stride_gm, NORM_OUT: gl.constexpr):
+    """acc [BN, BM] (out.T) -> out; NORM_OUT: out = s = acc (rounded) + the residual r [BN, BM], sg = s * g [BN]
+    rounded, and the strip's sums of squares of s's rows at ss [BM, strips] (kernels/triton/linear.py's
+    pend_norm)."""
+    y = acc.to(out_ptr.dtype.element_ty)
+    out_ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
+    if NORM_OUT:
+        s = (y.to(gl.float32) + r).to(y.dtype)
+        gl.store(out_ptrs, s, mask=mask)
+        sf = gl.where(mask, s.to(gl.float32), 0.0)
+        gl.store(ss_ptr + rm * gl.num_programs(0) + pid_n, gl.sum(sf * sf, axis=0))
+        gl.store(sg_ptr + rm[None, :] * stride_gm + rn[:, None], (sf * g[:, None]).to(y.dtype), mask=mask)
+    else:
+        gl.store(out_ptrs, y, mask=mask)
+
+
+SMEM_PER_SM = 227 * 1024
+TILE_SMEM = BN * BK + BM * BK * 3 + BM * 4  # a weight tile, its x rows staged in bf16 and quantized, their scales
+
+# Measured splits: (N, K) -> {"SPLIT": s}, where one beat split_for's rule in a decode step
+# (benchmarks.ab_decode with a plan_tune-style file: {"walks": [{"what": "tma (N, K)", "best": {"SPLIT": s}}]}).
+PLANS: dict[tuple[int, int], dict] = {}
+
+
+def split_for(n: int, k: int, sms: int) -> int | None:
+    """SPLIT for a weight [N, K]: PLANS's, else the fewest K shares (a power of two) that give the grid a program
+    an SM (or a tile a program), each share at most MAX_TILES tiles; None where the shares do not divide K's tiles,
+    or where the grid's shared memory does not fit the GPU at once (programs of a second wave could not load
+    ahead of the wait)."""
+    strips, tiles = n // BN, k // BK
+    split = 1
+    while split < tiles and (strips * split < sms or tiles // split > MAX_TILES):
+        split *= 2
+    split = PLANS.get((n, k), {}).get("SPLIT", split)
+    if tiles % split or tiles // split > MAX_TILES:
+        return None
+    per_program = tiles // split * TILE_SMEM
+    if strips * split > sms * (SMEM_PER_SM // per_program):
+        return None
+    return split
+
+
+def supports(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """Whether this kernel takes x [M, K] @ w.T: 1..16 rows of bf16/fp16, an e4m3 weight [N, K] with (128, 128)
+    blocks, N and K multiples of 128, a split of K within MAX_TILES tiles a program."""
+    m, k = x.shape
+    n = w.shape[0]
+    return (0 < m <= BM and block == (BN, BK) and x.dtype in (torch.bfloat16, torch.float16)
+            and w.dtype == torch.float8_e4m3fn and n % BN == 0 and k % BK == 0 and w.shape[1] == k
+            and n // BN <= MAX_TICKETS and split_for(n, k, num_sms(x.device)) is not None)
+
+
+def _w_desc(w: torch.Tensor) -> TensorDescriptor:
+    layout = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.float8e4nv)
+    return TensorDescriptor.from_tensor(w, [BN, BK], layout)
+
+
+def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, residual: torch.Tensor | None = None,
+                   norm_weight: torch.Tensor | None = None, pdl: bool = True, split: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels.fp8.fp8_linear_ref for x [M <= 16, K] bf16/fp16, w [N, K] e4m3 with w_scale [N / 128, K / 128]
+    (supports()). With residual [M, N] and norm_weight [N]: (s = x @ w.T + residual, sg = s * norm_weight,
+    ss [16, N / 128] float32 the strips' sums of squares of s's rows), as fp8_skinny_add_norm_triton; else
+    (out, out, out). split: K shares a strip (default split_for)."""
+    m, k = x.shape
+    n = w.shape[0]
+    split = split or split_for(n, k, num_sms(x.device))
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    norm = residual is not None
+    sg = torch.empty_like(out) if norm else out
+    ss = torch.empty(BM, n // BN, device=x.device, dtype=torch.float32) if norm else out
+    part = torch.empty(split, BM, n, device=x.device, dtype=torch.float32) if split > 1 else out
+    if norm:
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    res, g = (residual, norm_weight) if norm else (out, out)
+    w_scale = w_scale.contiguous()
+    _fp8_tma_kernel[(n // BN, split)](
+        _w_desc(w), x, w_scale, out, part, tickets(x.device), res, g, sg, ss, m, n, x.stride(0), w_scale.stride(0),
+        out.stride(0), res.stride(0), sg.stride(0), float(torch.finfo(w.dtype).max), TILES=k // BK // split,
+        SPLIT=split, NORM_OUT=norm, num_warps=4, **launch_args(x, pdl))
+    return out, sg, ss
