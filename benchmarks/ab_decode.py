@@ -10,14 +10,16 @@ round, averaged), not one token's top-k. The greedy tokens of each variant are c
 first variant's (same prompts): a variant that changes results shows up as a mismatch, not as a
 speed-up.
 
-A variant is "default" (the engine's KernelConfig), "none" (every field off), or the fields to turn
-off as flag names joined by "+", e.g. "no-pdl" or "no-fuse-norms+no-fuse-rope". Fields: those of
+A variant is "default" (the engine's KernelConfig), "none" (every field off), or fields to set as flag
+names joined by "+": "no-x" turns field x off, "x" on, e.g. "no-pdl", "no-fuse-norms+no-fuse-rope" or
+"fp8-tma-gemm+fp8-tma-early". Fields: those of
 KernelConfig (python -m tandem.server --help says what each does). "plans=FILE" is the default
 config with the plans that benchmarks.plan_tune wrote to FILE (--out) in place while that engine
 captures its decode graphs (GEMM and expert plans in their tables, the decode attention's through
-plan_tune's hook): the plans it found, timed as the engine runs them. It joins fields to turn off
-like any other part: "plans=FILE+no-pdl", and other plans files: "plans=A+plans=B" installs A's
-plans, then B's (B's win where both set one).
+plan_tune's hook): the plans it found, timed as the engine runs them. A file may also be written by
+hand, e.g. {"walks": [{"what": "tma (4096, 4096)", "best": {"SPLIT": 4}}]} for the TMA decode GEMM's
+split (kernels/triton/fp8_tma.py PLANS). It joins fields like any other part: "plans=FILE+no-pdl", and
+other plans files: "plans=A+plans=B" installs A's plans, then B's (B's win where both set one).
 
   python -m benchmarks.ab_decode --models llama3-8b --variants default no-fuse-norms no-pdl
   python -m benchmarks.ab_decode --models llama3-8b --fp8 block --kv-cache-dtype fp8 --batch 64 \
@@ -50,15 +52,16 @@ def kernel_fields(variant: str) -> dict:
         return {}
     if variant == "none":
         return {f: False for f in FIELDS.values()}
-    off = {}
+    fields = {}
     for part in variant.split("+"):
         if part.startswith("plans="):  # (tuned_plans)
             continue
         name = part.removeprefix("no-")
-        if not part.startswith("no-") or name not in FIELDS:
-            raise SystemExit(f"unknown variant part {part!r}; expected no-<field>, fields: {', '.join(FIELDS)}")
-        off[FIELDS[name]] = False
-    return off
+        if name not in FIELDS:
+            raise SystemExit(f"unknown variant part {part!r}; expected <field> or no-<field>, fields: "
+                             f"{', '.join(FIELDS)}")
+        fields[FIELDS[name]] = not part.startswith("no-")
+    return fields
 
 
 def tuned_plans(variant: str) -> list[tuple[dict | None, object, dict]]:
@@ -78,6 +81,9 @@ def tuned_plans(variant: str) -> list[tuple[dict | None, object, dict]]:
             out.append((fp8_skinny.PLANS, ast.literal_eval(key), w["best"]))
         elif kind == "bf16":
             out.append((linear.SKINNY_PLANS, ast.literal_eval(key), w["best"]))
+        elif kind == "tma":
+            from tandem.kernels.triton import fp8_tma
+            out.append((fp8_tma.PLANS, ast.literal_eval(key), w["best"]))
         elif kind == "experts":
             out += [(moe.W8A16_PAIRS, name, value) for name, value in w["best"].items()]
         elif w["what"] == "decode attention":

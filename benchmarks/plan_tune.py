@@ -284,17 +284,26 @@ class DecodeAttentionPlan:
         self.module._launch_plans = self.plans
 
 
-def _tables(hook: "DecodeAttentionPlan") -> tuple:
+def _plan_tables() -> tuple[dict, ...]:
+    """The tables of decode plans an engine reads while it captures its graphs."""
     from tandem.kernels.triton import fp8_skinny, linear, moe
-    return dict(fp8_skinny.PLANS), dict(linear.SKINNY_PLANS), dict(moe.W8A16_PAIRS), hook.override
+    tables = (fp8_skinny.PLANS, linear.SKINNY_PLANS, moe.W8A16_PAIRS)
+    try:
+        from tandem.kernels.triton import fp8_tma
+    except ImportError:  # (no Gluon for Hopper in this Triton)
+        return tables
+    return (*tables, fp8_tma.PLANS)
+
+
+def _tables(hook: "DecodeAttentionPlan") -> tuple:
+    return tuple(dict(t) for t in _plan_tables()) + (hook.override,)
 
 
 def _put_tables(hook: "DecodeAttentionPlan", tables: tuple) -> None:
-    from tandem.kernels.triton import fp8_skinny, linear, moe
-    plans, skinny, pairs, hook.override = tables
-    for table, saved in ((fp8_skinny.PLANS, plans), (linear.SKINNY_PLANS, skinny), (moe.W8A16_PAIRS, pairs)):
+    *saved, hook.override = tables
+    for table, plans in zip(_plan_tables(), saved):
         table.clear()
-        table.update(saved)
+        table.update(plans)
 
 
 def confirm(llm, batch: int, hook: "DecodeAttentionPlan", before: tuple, after: tuple, steps: int) -> dict:

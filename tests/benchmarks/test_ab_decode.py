@@ -77,7 +77,14 @@ def test_a_plans_file_joins_fields_turned_off(tmp_path):
     assert [(key, plan) for _, key, plan in ab_decode.tuned_plans(both)] == [((16, 4096, 4096, 128), {"BLOCK_N": 64})]
     assert ab_decode.kernel_fields(f"plans={plans}") == {} and ab_decode.tuned_plans("no-pdl") == []
     with pytest.raises(SystemExit, match="unknown variant part"):
-        ab_decode.kernel_fields(f"plans={plans}+pdl")
+        ab_decode.kernel_fields(f"plans={plans}+no-such-field")
+
+
+def test_a_field_named_without_no_is_turned_on():
+    """"x" turns field x on (the fields that are off by default), "no-x" off, in one variant."""
+    assert ab_decode.kernel_fields("fp8-tma-gemm+no-pdl") == {"fp8_tma_gemm": True, "pdl": False}
+    with pytest.raises(SystemExit, match="unknown variant part"):
+        ab_decode.kernel_fields("tma")
 
 
 def test_plans_files_join_in_order_the_later_winning(tmp_path):
@@ -95,3 +102,16 @@ def test_plans_files_join_in_order_the_later_winning(tmp_path):
     with ab_decode.plans_installed(plans):
         assert fp8_skinny.PLANS[shared] == {"BLOCK_N": 128} and fp8_skinny.PLANS[own] == {"BLOCK_N": 32}
     assert fp8_skinny.PLANS == before
+
+
+def test_a_tma_split_walk_goes_in_the_tma_table_while_building(tmp_path):
+    """"tma (N, K)" walks (written by hand) set the TMA decode GEMM's split for that shape, and only while the
+    variant's engine is built."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from tandem.kernels.triton import fp8_tma
+    f = tmp_path / "tma.json"
+    f.write_text(json.dumps({"walks": [{"what": "tma (4096, 4096)", "best": {"SPLIT": 4}}]}))
+    assert fp8_tma.split_for(4096, 4096, 132) == 8
+    with ab_decode.plans_installed(ab_decode.tuned_plans(f"plans={f}")):
+        assert fp8_tma.split_for(4096, 4096, 132) == 4
+    assert fp8_tma.split_for(4096, 4096, 132) == 8 and not fp8_tma.PLANS
