@@ -44,13 +44,12 @@ class KernelConfig:
         "skinny GEMM (W8A16) instead of the FP8 decode GEMM (W8A8; faster on the Llama-3-8B step, "
         "benchmarks/RESULTS.md)")})
     fp8_tma_gemm: bool = field(default=True, metadata={"help": (
-        "at decode sizes (<= 16 rows, NVIDIA compute capability 9.0 and up) the FP8 o projection (block-scaled "
-        "(128, 128), ahead of the post-attention norm) runs on the Gluon GEMM that requests all of its weight into "
-        "shared memory by TMA before its PDL wait (kernels/triton/fp8_tma.py); --no-fp8-tma-gemm: the Triton "
-        "decode GEMM")})
+        "at decode sizes (<= 16 rows, NVIDIA compute capability 9.0 and up) an FP8 o projection of 12 MiB or more "
+        "(block-scaled (128, 128), ahead of the post-attention norm; Llama-3-8B's) runs on the Gluon GEMM that "
+        "requests all of its weight into shared memory by TMA before its PDL wait (kernels/triton/fp8_tma.py); "
+        "--no-fp8-tma-gemm: the Triton decode GEMM")})
     fp8_tma_early: bool = field(default=True, metadata={"help": (
-        "where that o projection's weight is larger than HBM streams during the attention's split merge "
-        "(kernels.fp8.tma_early), the merge lets it in before its own PDL wait, so its weight streams in while "
-        "the attention runs")})
+        "the attention's split merge lets that o projection in before its own PDL wait, so the o weight streams "
+        "while the attention runs (kernels.fp8.tma_early)")})
 
 DEFAULT_KERNELS = KernelConfig()
