@@ -10,6 +10,7 @@ Weight layouts (w: [N, K] in the fp8 dtype, scales float32, w ~= w_fp8 * scale),
 Experts stack the same per expert: w13 [E, 2I, H] with w13_scale [E, 2I] or [E, 2I/bn, H/bk].
 """
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from tandem.kernels.linear import PendingNorm, decode_rows, can_pend
 from tandem.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 
 E4M3 = torch.float8_e4m3fn
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -251,9 +253,21 @@ def _decode_tile(x: torch.Tensor, block: tuple[int, int] | None, config: KernelC
 TMA_MIN_BYTES = 12 << 20
 
 
+@functools.cache
+def _gluon_hopper() -> bool:
+    """Whether this Triton has Gluon's Hopper pieces (3.5 and up); without them the Triton decode GEMM runs."""
+    try:
+        from tandem.kernels.triton import fp8_tma  # noqa: F401
+    except ImportError as e:
+        logger.info("FP8 TMA decode GEMM off: %s", e)
+        return False
+    return True
+
+
 def _tma_device(x: torch.Tensor) -> bool:
-    """An NVIDIA GPU of compute capability 9.0 or newer (TMA, wgmma)."""
-    return x.is_cuda and torch.version.cuda is not None and torch.cuda.get_device_capability(x.device)[0] >= 9
+    """An NVIDIA GPU of compute capability 9.0 or newer (TMA, wgmma), and a Triton that builds for it in Gluon."""
+    return (x.is_cuda and torch.version.cuda is not None and torch.cuda.get_device_capability(x.device)[0] >= 9
+            and _gluon_hopper())
 
 
 def _tma_gemm(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None, config: KernelConfig) -> bool:
