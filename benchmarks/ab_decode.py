@@ -18,7 +18,8 @@ config with the plans that benchmarks.plan_tune wrote to FILE (--out) in place w
 captures its decode graphs (GEMM and expert plans in their tables, the decode attention's through
 plan_tune's hook): the plans it found, timed as the engine runs them. A file may also be written by
 hand, e.g. {"walks": [{"what": "tma (4096, 4096)", "best": {"SPLIT": 4}}]} for the TMA decode GEMM's
-split (kernels/triton/fp8_tma.py PLANS). It joins fields like any other part: "plans=FILE+no-pdl", and
+split (kernels/triton/fp8_tma.py PLANS), or "tma ring (N, K)" with {"SPLIT": s, "STAGES": t} for its ring
+form (RING_PLANS). It joins fields like any other part: "plans=FILE+no-pdl", and
 other plans files: "plans=A+plans=B" installs A's plans, then B's (B's win where both set one).
 
   python -m benchmarks.ab_decode --models llama3-8b --variants default no-fuse-norms no-pdl
@@ -83,7 +84,9 @@ def tuned_plans(variant: str) -> list[tuple[dict | None, object, dict]]:
             out.append((linear.SKINNY_PLANS, ast.literal_eval(key), w["best"]))
         elif kind == "tma":
             from tandem.kernels.triton import fp8_tma
-            out.append((fp8_tma.PLANS, ast.literal_eval(key), w["best"]))
+            ring = key.startswith("ring ")
+            out.append((fp8_tma.RING_PLANS if ring else fp8_tma.PLANS, ast.literal_eval(key.removeprefix("ring ")),
+                        w["best"]))
         elif kind == "experts":
             out += [(moe.W8A16_PAIRS, name, value) for name, value in w["best"].items()]
         elif w["what"] == "decode attention":

@@ -292,7 +292,7 @@ def _plan_tables() -> tuple[dict, ...]:
         from tandem.kernels.triton import fp8_tma
     except ImportError:  # (no Gluon for Hopper in this Triton)
         return tables
-    return (*tables, fp8_tma.PLANS)
+    return (*tables, fp8_tma.PLANS, fp8_tma.RING_PLANS)
 
 
 def _tables(hook: "DecodeAttentionPlan") -> tuple:

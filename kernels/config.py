@@ -51,5 +51,18 @@ class KernelConfig:
     fp8_tma_early: bool = field(default=True, metadata={"help": (
         "the attention's split merge lets that o projection in before its own PDL wait, so the o weight streams "
         "while the attention runs (kernels.fp8.tma_early)")})
+    fp8_tma_ring: bool = field(default=True, metadata={"help": (
+        "at 1 row (a batch-1 decode step; compute capability 9.0 and up) an FP8 linear layer the o projection's TMA "
+        "GEMM does not take gets its input written quantized by the kernel ahead (the SiLU-and-mul ahead of "
+        "down_proj, the attention ahead of a smaller o_proj) and runs on the Gluon GEMM's ring form: its weight "
+        "through shared-memory stages by TMA, the first stages requested before its PDL wait "
+        "(kernels/triton/fp8_tma.py; block-scaled (128, 128))")})
+    fp8_tma_ring_normed: bool = field(default=True, metadata={"help": (
+        "the same ring form for an FP8 layer after a pending norm whose Triton plan quantizes its input in a "
+        "launch ahead (the dense gate_up_proj)")})
+    fp8_tma_ring_early: bool = field(default=True, metadata={"help": (
+        "the kernel writing the ring form's quantized input (the SiLU-and-mul; the quantization after a pending "
+        "norm) lets the ring GEMM in before its own PDL wait, so its first weight stages stream during the tail "
+        "of the GEMM ahead")})
 
 DEFAULT_KERNELS = KernelConfig()

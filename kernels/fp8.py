@@ -133,9 +133,13 @@ def quant_ahead(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None,
     """(fp8 dtype, group) where fp8_linear on x's rows [T, K] would quantize them in a launch of its
     own ahead of the FP8 decode GEMM: config.fuse_fp8_quant, block-scaled, 17..MAX_ROWS rows (below,
     the decode paths carry the norms: PendingNorm), bf16/fp16 rows on a GPU with FP8, a plan that
-    does not quantize in the GEMM. Then the kernel producing x writes it quantized (QuantRows). On
+    does not quantize in the GEMM; or at 1..16 rows where the TMA GEMM's ring form takes them (tma_ring)
+    and the o projection's TMA GEMM does not. Then the kernel producing x writes it quantized (QuantRows). On
     the CPU the same rule picks the references' fused forms, which compute the very same values."""
     from tandem.kernels.triton.linear import MAX_ROWS as NORM_ROWS
+    if x.dim() == 2 and 0 < x.shape[0] <= NORM_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+        ring = block is not None and tma_ring(x, w, block, config) and not _tma_gemm(x, w, block, config)
+        return (w.dtype, block[1]) if ring else None
     if not (config.fuse_fp8_quant and block is not None and x.dim() == 2 and x.shape[0] > NORM_ROWS
             and block[1] <= 1024 and not block[1] & (block[1] - 1)):
         return None
@@ -179,10 +183,13 @@ def rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
 
 def silu_and_mul_quant(x: torch.Tensor, dtype: torch.dtype, group: int,
                        config: KernelConfig = DEFAULT_KERNELS) -> QuantRows:
-    """SiLU-and-mul writing the next FP8 GEMM's quantized input."""
+    """SiLU-and-mul writing the next FP8 GEMM's quantized input; at 1..16 rows (quant_ahead's: the TMA GEMM's ring
+    form takes them) it lets that GEMM in early with config.fp8_tma_ring_early."""
     if use_triton(x):
         from tandem.kernels.triton.activation import silu_and_mul_quant_triton
-        q, s = silu_and_mul_quant_triton(x, dtype, group, config.pdl)
+        from tandem.kernels.triton.linear import MAX_ROWS
+        early = config.fp8_tma_ring_early and x.reshape(-1, x.shape[-1]).shape[0] <= MAX_ROWS
+        q, s = silu_and_mul_quant_triton(x, dtype, group, config.pdl, early)
     else:
         q, s = silu_and_mul_quant_ref(x, dtype, group)
     return QuantRows(q, s, group, x.dtype)
@@ -221,7 +228,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
         if x.group != (block[1] if block else None) or x.q.dtype != w.dtype:
             raise ValueError(f"fp8_linear: rows quantized in groups of {x.group} ({x.q.dtype}) for a weight "
                              f"with block {block} ({w.dtype})")
-        if use_triton(x.q) and has_fp8_compute(x.q.device):
+        if tma_ring(x.q, w, block, config):
+            from tandem.kernels.triton.fp8_tma import fp8_tma_ring_linear
+            y = fp8_tma_ring_linear(x.q, x.s, w, w_scale, x.dtype, pdl=config.pdl)[0]
+        elif use_triton(x.q) and has_fp8_compute(x.q.device):
             from tandem.kernels.triton.fp8_skinny import fp8_skinny_linear_triton
             y = fp8_skinny_linear_triton(x.q, w, w_scale, block, pdl=config.pdl, quantized=x.s, dtype=x.dtype)
         else:
@@ -239,6 +249,13 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
             *x.shape[:-1], w.shape[0])
         return y if bias is None else y + bias
     return fp8_linear_ref(x, w, w_scale, block, bias)
+
+
+def _quantizes_in_gemm(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """Whether the Triton decode GEMM's plan for x @ w.T quantizes x in the GEMM (no launch ahead of it)."""
+    from tandem.kernels.triton.device import num_sms
+    from tandem.kernels.triton.fp8_skinny import plan
+    return plan(x.shape[0], w.shape[0], w.shape[1], block[1] if block else None, num_sms(x.device))["QUANT"]
 
 
 def _decode_tile(x: torch.Tensor, block: tuple[int, int] | None, config: KernelConfig) -> bool:
@@ -291,12 +308,31 @@ def tma_early(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None,
     return config.fp8_tma_early and _tma_gemm(x, w, block, config)
 
 
-def fp8_linear_add_norm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
-                        residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+def tma_ring(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None,
+             config: KernelConfig = DEFAULT_KERNELS, normed: bool = False) -> bool:
+    """Whether x's rows [M, K], quantized ahead, @ w.T run on the ring form of the Gluon TMA decode GEMM
+    (kernels/triton/fp8_tma.py fp8_tma_ring_linear): config.fp8_tma_ring (normed: config.fp8_tma_ring_normed, x
+    a pending norm's rows), such a GPU (_tma_device), a shape the ring takes."""
+    if not ((config.fp8_tma_ring_normed if normed else config.fp8_tma_ring) and x.dim() == 2 and _tma_device(x)):
+        return False
+    from tandem.kernels.triton import fp8_tma
+    return fp8_tma.ring_supports(x.shape[0], w, block, x.device)
+
+
+def fp8_linear_add_norm(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: torch.Tensor,
+                        block: tuple[int, int] | None, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         config: KernelConfig = DEFAULT_KERNELS) -> PendingNorm | None:
     """kernels.linear.linear_add_norm with an fp8 weight: x @ w.T + residual with the RMSNorm after
     it left pending, in one launch of the FP8 decode GEMM; None (nothing run) where that does not
-    apply. x: [T, K]; w: [N, K] fp8; residual: [T, N]; norm_weight: [N]."""
+    apply. x: [T, K] (QuantRows: on the TMA GEMM's ring form, tma_ring); w: [N, K] fp8; residual: [T, N];
+    norm_weight: [N]."""
+    if isinstance(x, QuantRows):
+        if not (tma_ring(x.q, w, block, config) and x.group == block[1] and x.q.dtype == w.dtype
+                and norm_weight.dtype == residual.dtype == x.dtype and config.fuse_norms):
+            return None
+        from tandem.kernels.triton.fp8_tma import fp8_tma_ring_linear
+        s, sg, ss = fp8_tma_ring_linear(x.q, x.s, w, w_scale, x.dtype, residual, norm_weight, pdl=config.pdl)
+        return PendingNorm(s, sg, ss, norm_weight, eps)
     if not (_decode_tile(x, block, config) and norm_weight.dtype == residual.dtype == x.dtype):
         return None
     if _tma_gemm(x, w, block, config):
@@ -319,6 +355,12 @@ def fp8_linear_normed(p: PendingNorm, w: torch.Tensor, w_scale: torch.Tensor, bl
     row's 1/rms (no norm launch), else the norm then fp8_linear."""
     if not (_decode_tile(p.sg, block, config) and p.ss.shape[0] == 16):
         return fp8_linear(p.normed(config), w, w_scale, block, bias, config)
+    if tma_ring(p.sg, w, block, config, normed=True) and not _quantizes_in_gemm(p.sg, w, block):
+        from tandem.kernels.triton.fp8_skinny import quantize_rows_triton
+        from tandem.kernels.triton.fp8_tma import fp8_tma_ring_linear
+        xq, xs = quantize_rows_triton(p.sg, w.dtype, block[1], config.pdl, early=config.fp8_tma_ring_early)
+        y = fp8_tma_ring_linear(xq, xs, w, w_scale, p.sg.dtype, norm_in=(p.ss, p.eps), pdl=config.pdl)[0]
+        return y if bias is None else y + bias
     if fp8_decode_rows(p.sg, block, config):
         from tandem.kernels.triton.linear import skinny_linear_normed_triton
         y = skinny_linear_normed_triton(p.sg, w, p.ss, p.eps, pdl=config.pdl, w_scale=w_scale, block=block,

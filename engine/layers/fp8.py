@@ -133,14 +133,19 @@ class Fp8Linear:
     def tma_early(self, x: torch.Tensor) -> bool:
         """Whether the kernel producing this layer's input rows x lets its launch in early (kernels.fp8.tma_early),
         where this layer runs as _fp8_add_norm would run it."""
-        return (getattr(self, "norm_after", False) and tp_size() == 1 and self.bias is None
+        return (getattr(self, "norm_after", False) and self._may_add_norm()
                 and tma_early(x, self.weight, self.fp8_block, self.kernels))
+
+    def _may_add_norm(self) -> bool:
+        """Whether this layer may carry the norm after it (_fp8_add_norm): one rank (with tensor parallel the
+        all-reduce comes before the add), no bias."""
+        return tp_size() == 1 and self.bias is None
 
     def _fp8_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> PendingNorm | None:
         """This layer's output + residual with `norm` left pending for the next GEMM, or None (nothing
-        run) where that does not apply (tensor parallel: the all-reduce comes before the add; a bias;
-        no GPU with FP8; more rows)."""
-        if tp_size() > 1 or self.bias is not None or isinstance(x, (PendingNorm, QuantRows)):
+        run) where that does not apply (_may_add_norm; no GPU with FP8; more rows). x may be QuantRows (the TMA
+        GEMM's ring form, kernels.fp8.tma_ring)."""
+        if not self._may_add_norm() or isinstance(x, PendingNorm):
             return None
         return fp8_linear_add_norm(x, self.weight, self.weight_scale, self.fp8_block, residual, norm.weight,
                                    norm.eps, self.kernels)

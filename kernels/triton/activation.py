@@ -9,8 +9,8 @@ from tandem.kernels.triton.pdl import launch_args, wait_previous
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_out, q_ptr, qs_ptr, stride_q, stride_qs, fp8_max,
-                         BLOCK: tl.constexpr, QUANT_GROUP: tl.constexpr, PDL: tl.constexpr):
-    wait_previous(PDL)
+                         BLOCK: tl.constexpr, QUANT_GROUP: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = False):
+    wait_previous(PDL, EARLY)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -42,9 +42,10 @@ def silu_and_mul_triton(x: torch.Tensor, pdl: bool = True) -> torch.Tensor:
 
 
 def silu_and_mul_quant_triton(x: torch.Tensor, dtype: torch.dtype, group: int,
-                              pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                              pdl: bool = True, early: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels.fp8.silu_and_mul_quant_ref on the GPU, one launch: x [T, 2 * d] -> (q [T, d] dtype,
-    s [T, ceil(d / group)] float32); group a power of two <= 1024."""
+    s [T, ceil(d / group)] float32); group a power of two <= 1024. early: the next launch let in before this
+    one's PDL wait (kernels/triton/pdl.py)."""
     d = x.shape[-1] // 2
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     q = torch.empty(x2.shape[0], d, device=x.device, dtype=dtype)
@@ -53,6 +54,6 @@ def silu_and_mul_quant_triton(x: torch.Tensor, dtype: torch.dtype, group: int,
         block = max(group, min(1024, triton.next_power_of_2(d)))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
             x2, torch.empty(0, device=x.device, dtype=x.dtype), d, x2.stride(0), 0, q, qs, q.stride(0),
-            qs.stride(0), float(torch.finfo(dtype).max), BLOCK=block, QUANT_GROUP=group, num_warps=4,
+            qs.stride(0), float(torch.finfo(dtype).max), BLOCK=block, QUANT_GROUP=group, EARLY=early, num_warps=4,
             **launch_args(x2, pdl))
     return q, qs

@@ -462,11 +462,12 @@ def _skip_row(row, block_rows_ptr, BLOCK_ROWS: tl.constexpr):
 
 @triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stride_sg, fp8_max, block_rows_ptr,
-                       GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_ROWS: tl.constexpr, PDL: tl.constexpr):
+                       GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_ROWS: tl.constexpr, PDL: tl.constexpr,
+                       EARLY: tl.constexpr = False):
     """Program (row, group): s = amax(|x|) / fp8_max over the group's GROUP columns, q = x / s
     (rows past M: q = 0, s = the floor 1e-12; their mask is a tensor, `cols * 0 + row < M`, as
     Triton's interpreter takes no scalar in a mask). A padding row (_skip_row) is left unwritten."""
-    wait_previous(PDL)
+    wait_previous(PDL, EARLY)
     row = tl.program_id(0).to(tl.int64)
     if _skip_row(row, block_rows_ptr, BLOCK_ROWS):
         return
@@ -491,11 +492,11 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm,
 @triton.jit
 def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stride_sg, G, fp8_max,
                          block_rows_ptr, GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, EARLY: tl.constexpr = False):
     """Program (row, GROUPS consecutive groups of GROUP columns): each group's scale and values in
     one pass, the tile held in registers (_quant_tile, as the decode GEMM does); rows past M and
     padding rows as _quant_rows_kernel's."""
-    wait_previous(PDL)
+    wait_previous(PDL, EARLY)
     row = tl.program_id(0).to(tl.int64)
     if _skip_row(row, block_rows_ptr, BLOCK_ROWS):
         return
@@ -510,7 +511,8 @@ def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s
 
 def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, group: int | None, pdl: bool = False,
                          rows: int | None = None, scales_by_column: bool = False,
-                         blocks: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         blocks: tuple[torch.Tensor, int] | None = None, early: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels.fp8.quantize_rows on the GPU. x: [M, K] -> (q [R, K] dtype, s [R, G] float32), R =
     rows (>= M; the rows past M are zeros with scale 1e-12: the padding torch's block-wise GEMM
     wants, written by this launch rather than by a copy) or M. scales_by_column: s is a
@@ -519,7 +521,8 @@ def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, group: int | None,
     program per row, two passes over it. pdl: launched with PDL (the decode GEMM's, which is).
     blocks: (block_rows, BLOCK_M), x's rows grouped by expert as kernels/triton/moe_align.py lays
     them out: only each block's first block_rows[b] rows are quantized, the padding rows (which the
-    expert GEMMs do not read) are left unwritten in q and s."""
+    expert GEMMs do not read) are left unwritten in q and s. early: the next launch let in before this one's
+    PDL wait (kernels/triton/pdl.py)."""
     m, k = x.shape
     r = max(rows or m, m)
     group = group or k
@@ -535,10 +538,10 @@ def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, group: int | None,
     if group <= 1024 and group & (group - 1) == 0:
         groups = 1024 // group
         _quant_groups_kernel[(r, triton.cdiv(g, groups))](x, q, s, m, k, *strides, g, fmax, block_rows, GROUP=group,
-                                                          GROUPS=groups, BLOCK_ROWS=block_m, num_warps=4,
-                                                          **launch_args(x, pdl))
+                                                          GROUPS=groups, BLOCK_ROWS=block_m, EARLY=early,
+                                                          num_warps=4, **launch_args(x, pdl))
     else:
         block = min(1024, triton.next_power_of_2(group))
         _quant_rows_kernel[(r, g)](x, q, s, m, k, *strides, fmax, block_rows, GROUP=group, BLOCK=block,
-                                   BLOCK_ROWS=block_m, num_warps=4, **launch_args(x, pdl))
+                                   BLOCK_ROWS=block_m, EARLY=early, num_warps=4, **launch_args(x, pdl))
     return q, s

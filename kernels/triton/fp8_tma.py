@@ -15,6 +15,12 @@ after the wait, quantized here per row and K tile as kernels.fp8.quantize_rows d
 shared memory for the wgmma). SPLIT > 1: float32 partials, a ticket, the strip's last program sums them
 (kernels/triton/device.py). NORM_OUT: the pending RMSNorm's producer side, as the Triton decode GEMM's.
 
+The ring form (_fp8_tma_ring_kernel, fp8_tma_ring_linear): x quantized ahead by the kernel producing it (kernels.fp8
+QuantRows: the SiLU-and-mul ahead of down_proj; the quantization after a pending norm ahead of gate_up), any number
+of K tiles a program through STAGES stages of a weight tile and its x tile; the first stages' weight requested
+before the wait, and with KernelConfig.fp8_tma_ring_early the producer lets this launch in before its own wait. At
+1 row (RING_MAX_ROWS) on an H200 the Llama-3-8B step went from 2.667 to 2.572 ms (benchmarks/RESULTS.md).
+
 Gluon (`triton.experimental.gluon`) has no interpreter: CPU tests compile it for sm_90; its numbers are checked
 against kernels.fp8's reference on a GPU.
 """
@@ -111,11 +117,21 @@ def _fp8_tma_kernel(w_desc, x_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, res_pt
     for i in gl.static_range(TILES):
         mbarrier.invalidate(bars.index(i))
 
+    _finish(acc, out_ptr, part_ptr, ticket_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, pid_k, N, stride_om,
+            stride_gm, SPLIT, NORM_OUT)
+
+
+@gluon.jit
+def _finish(acc, out_ptr, part_ptr, ticket_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, pid_k, N, stride_om,
+            stride_gm, SPLIT: gl.constexpr, NORM_OUT: gl.constexpr):
+    """A program's acc [BN, BM] (out.T over its K share) -> out: SPLIT > 1, float32 partials and a ticket, the
+    strip's last program sums them (kernels/triton/device.py); then _write_out."""
+    BM_: gl.constexpr = acc.shape[1]
     if SPLIT > 1:
         gl.store(part_ptr + (pid_k * BM_ + rm[None, :]) * N + rn[:, None], acc, mask=mask)
         CTA_BARRIER()  # every thread's partial is written before the ticket is taken
         if gl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            total = gl.zeros([BN_, BM_], gl.float32, mma)
+            total = gl.zeros_like(acc)
             for sp in gl.static_range(SPLIT):
                 total += gl.load(part_ptr + (sp * BM_ + rm[None, :]) * N + rn[:, None], mask=mask, other=0.0,
                                  cache_modifier=".cg")
@@ -123,6 +139,89 @@ def _fp8_tma_kernel(w_desc, x_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, res_pt
             gl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
         _write_out(acc, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_om, stride_gm, NORM_OUT)
+
+
+@gluon.jit
+def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, res_ptr, g_ptr, sg_ptr, ss_ptr,
+                         ss_in_ptr, M, N, K, stride_xs, stride_ws, stride_om, stride_rm, stride_gm, in_strips, eps,
+                         TILES: gl.constexpr, T_PAD: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                         NORM_OUT: gl.constexpr, NORM_IN: gl.constexpr, S_PAD: gl.constexpr, PDL: gl.constexpr,
+                         num_warps: gl.constexpr):
+    """The ring form (fp8_tma_ring_linear): x quantized ahead (fp8 rows by TMA, their scales xs [M, K / 128]),
+    TILES K tiles a program through STAGES shared-memory stages of a weight tile and its x tile, one mbarrier a
+    stage; the first STAGES weight tiles requested before the wait, a stage refilled with the tile STAGES ahead
+    once its (synchronous) wgmma has read it. NORM_IN: x is the pending norm's sg, each row scaled at the end by
+    its 1/rms from ss_in [16, in_strips] (kernels/triton/linear.py's pending_rstd)."""
+    BN_: gl.constexpr = w_desc.block_type.shape[0]
+    BK_: gl.constexpr = w_desc.block_type.shape[1]
+    BM_: gl.constexpr = x_desc.block_type.shape[0]
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    n0 = pid_n * BN_
+    kb0 = pid_k * TILES
+
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN_, BK_], w_desc.layout)
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM_, BK_], x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    nbytes: gl.constexpr = w_desc.block_type.nbytes + x_desc.block_type.nbytes
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+    for i in gl.static_range(STAGES):  # the weight depends on no kernel ahead
+        mbarrier.expect(bars.index(i), nbytes)
+        TMA_LOAD(w_desc, [n0, (kb0 + i) * BK_], bars.index(i), w_smem.index(i))
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                   instr_shape=[16, BM_, 256 // w_desc.dtype.primitive_bitwidth])
+    rm = gl.arange(0, BM_, layout=gl.SliceLayout(0, mma))
+    rn = n0 + gl.arange(0, BN_, layout=gl.SliceLayout(1, mma))
+    mask = (rm < M)[None, :] & (rn < N)[:, None]
+    vec: gl.constexpr = gl.BlockedLayout([T_PAD], [32], [num_warps], [0])  # every thread holds the whole vector
+    tv = gl.arange(0, T_PAD, layout=vec)
+    ws = gl.load(ws_ptr + pid_n * stride_ws + kb0 + tv, mask=tv < TILES, other=0.0)  # the strip's scales
+    g = gl.zeros([BN_], gl.float32, gl.SliceLayout(1, mma))
+    if NORM_OUT:
+        g = gl.load(g_ptr + rn, mask=rn < N, other=0.0).to(gl.float32)
+    if PDL:  # (kernels/triton/pdl.py's wait_previous)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+    for i in gl.static_range(STAGES):  # x rows past M arrive as zeros (the descriptor's bounds)
+        TMA_LOAD(x_desc, [0, (kb0 + i) * BK_], bars.index(i), x_smem.index(i))
+    r = gl.zeros([BN_, BM_], gl.float32, mma)
+    if NORM_OUT:
+        r = gl.load(res_ptr + rm[None, :] * stride_rm + rn[:, None], mask=mask, other=0.0).to(gl.float32)
+    # the rows' scales of the program's K tiles, tile-major, through shared memory (read a tile at a time below)
+    sl: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    j = gl.arange(0, T_PAD * BM_, layout=sl)
+    xs = gl.load(xs_ptr + (j % BM_) * stride_xs + kb0 + j // BM_, mask=(j % BM_ < M) & (j // BM_ < TILES), other=0.0)
+    xs_smem = gl.allocate_shared_memory(gl.float32, [T_PAD * BM_], gl.SwizzledSharedLayout(1, 1, 1, order=[0]), xs)
+    rstd = gl.full([BM_], 1.0, gl.float32, gl.SliceLayout(0, mma))
+    if NORM_IN:
+        nl: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [1, num_warps], [1, 0])
+        sp = gl.arange(0, S_PAD, layout=gl.SliceLayout(1, nl))
+        rr = gl.arange(0, BM_, layout=gl.SliceLayout(0, nl))
+        ss_in = gl.load(ss_in_ptr + rr[None, :] * in_strips + sp[:, None],
+                        mask=(rr < M)[None, :] & (sp < in_strips)[:, None], other=0.0)
+        rstd = gl.convert_layout(gl.rsqrt(gl.sum(ss_in, axis=0) / K + eps), gl.SliceLayout(0, mma))
+    CTA_BARRIER()  # the scales are in shared memory before any thread reads another's
+
+    acc = gl.zeros([BN_, BM_], gl.float32, mma)
+    for i in gl.static_range(TILES):
+        st = i % STAGES
+        mbarrier.wait(bars.index(st), (i // STAGES) & 1)
+        d = warpgroup_mma(w_smem.index(st), x_smem.index(st).permute((1, 0)), gl.zeros([BN_, BM_], gl.float32, mma),
+                          use_acc=False)
+        acc += d * (xs_smem.slice(i * BM_, BM_).load(gl.SliceLayout(0, mma)) * _pick(ws, i, vec))[None, :]
+        if i + STAGES < TILES:  # the wgmma above is synchronous: stage st is free again
+            mbarrier.expect(bars.index(st), nbytes)
+            TMA_LOAD(w_desc, [n0, (kb0 + i + STAGES) * BK_], bars.index(st), w_smem.index(st))
+            TMA_LOAD(x_desc, [0, (kb0 + i + STAGES) * BK_], bars.index(st), x_smem.index(st))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    if NORM_IN:
+        acc = acc * rstd[None, :]
+    _finish(acc, out_ptr, part_ptr, ticket_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, pid_k, N, stride_om,
+            stride_gm, SPLIT, NORM_OUT)
 
 
 @gluon.jit
@@ -207,4 +306,80 @@ def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, resi
         _w_desc(w), x, w_scale, out, part, tickets(x.device), res, g, sg, ss, m, n, x.stride(0), w_scale.stride(0),
         out.stride(0), res.stride(0), sg.stride(0), float(torch.finfo(w.dtype).max), TILES=k // BK // split,
         SPLIT=split, NORM_OUT=norm, num_warps=4, **launch_args(x, pdl))
+    return out, sg, ss
+
+
+# ---- the ring form: x quantized ahead, any number of K tiles a program --------------------------------------
+
+STAGE_SMEM = BN * BK + BM * BK  # a weight tile and its x tile
+# Rows the ring form takes: in the decode step on an H200 it won at 1 row (Llama-3-8B 2.667 -> 2.572 ms, Qwen3-30B-A3B
+# 2.390 -> 2.368) and lost at 16 (3.600 -> 3.835, 6.717 -> 6.923; benchmarks/RESULTS.md); between them, not measured
+RING_MAX_ROWS = 1
+RING_FIXED_SMEM = 2048  # the barriers and the compiler's scratch (a layout conversion, a reduction)
+MAX_STAGES = 8
+# Measured plans: (N, K) -> {"SPLIT": s, "STAGES": t}, where one beat ring_plan's rule in a decode step
+# (benchmarks.ab_decode plans=F, F a walk {"what": "tma ring (N, K)", "best": {...}}).
+RING_PLANS: dict[tuple[int, int], dict] = {}
+
+
+def ring_plan(n: int, k: int, sms: int) -> tuple[int, int] | None:
+    """(SPLIT, STAGES) for a weight [N, K] on the ring form: RING_PLANS's, else the fewest K shares (a power of
+    two dividing K's tiles) that give every SM a program, and as many stages (at most MAX_STAGES, at most the
+    share's tiles) as the programs an SM then holds leave shared memory for; None where a RING_PLANS split does
+    not divide K's tiles or fewer than two stages fit."""
+    strips, tiles = n // BN, k // BK
+    split = 1
+    while strips * split < sms and tiles % (2 * split) == 0:
+        split *= 2
+    plan = RING_PLANS.get((n, k), {})
+    split = plan.get("SPLIT", split)
+    if tiles % split:
+        return None
+    per_sm = -(-strips * split // sms)
+    room = SMEM_PER_SM // per_sm - RING_FIXED_SMEM - triton.next_power_of_2(tiles // split) * BM * 4
+    stages = plan.get("STAGES", min(MAX_STAGES, tiles // split, room // STAGE_SMEM))
+    return (split, stages) if stages >= min(2, tiles // split) else None
+
+
+def ring_supports(m: int, w: torch.Tensor, block: tuple[int, int] | None, device: torch.device) -> bool:
+    """Whether the decode step runs m rows quantized ahead (groups of 128) @ w.T on fp8_tma_ring_linear (which takes
+    1..16): up to RING_MAX_ROWS rows, an e4m3 weight [N, K] with (128, 128) blocks, N and K multiples of 128, a
+    ring_plan."""
+    n, k = w.shape
+    return (0 < m <= RING_MAX_ROWS and block == (BN, BK) and w.dtype == torch.float8_e4m3fn and n % BN == 0 and k % BK == 0
+            and n // BN <= MAX_TICKETS and ring_plan(n, k, num_sms(device)) is not None)
+
+
+def fp8_tma_ring_linear(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                        dtype: torch.dtype, residual: torch.Tensor | None = None,
+                        norm_weight: torch.Tensor | None = None, norm_in: tuple[torch.Tensor, float] | None = None,
+                        pdl: bool = True, plan: tuple[int, int] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels.fp8._quantized_linear_ref for rows quantized ahead: xq [M <= 16, K] e4m3, xs [M, K / 128] float32
+    (quantize_rows with groups of 128), w [N, K] e4m3 with w_scale [N / 128, K / 128] (ring_supports) -> out
+    [M, N] in dtype. residual [M, N] and norm_weight [N] (NORM_OUT): (s, sg, ss) as fp8_tma_linear. norm_in
+    (ss [16, strips] float32, eps): xq is a pending norm's sg quantized, the output scaled by each row's 1/rms.
+    plan: (SPLIT, STAGES), default ring_plan."""
+    m, k = xq.shape
+    n = w.shape[0]
+    split, stages = plan or ring_plan(n, k, num_sms(xq.device))
+    tiles = k // BK // split
+    out = torch.empty(m, n, device=xq.device, dtype=dtype)
+    norm = residual is not None
+    sg = torch.empty_like(out) if norm else out
+    ss = torch.empty(BM, n // BN, device=xq.device, dtype=torch.float32) if norm else out
+    part = torch.empty(split, BM, n, device=xq.device, dtype=torch.float32) if split > 1 else out
+    if norm:
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    res, g = (residual, norm_weight) if norm else (out, out)
+    ss_in, eps = norm_in if norm_in is not None else (out, 0.0)
+    xq = xq if xq.stride(-1) == 1 and xq.stride(0) % 16 == 0 else xq.contiguous()
+    x_desc = TensorDescriptor.from_tensor(xq, [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv))
+    w_scale = w_scale.contiguous()
+    _fp8_tma_ring_kernel[(n // BN, split)](
+        _w_desc(w), x_desc, xs, w_scale, out, part, tickets(xq.device), res, g, sg, ss, ss_in, m, n, k, xs.stride(0),
+        w_scale.stride(0), out.stride(0), res.stride(0), sg.stride(0), ss_in.shape[1] if norm_in else 1, eps,
+        TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=min(stages, tiles), SPLIT=split, NORM_OUT=norm,
+        NORM_IN=norm_in is not None, S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in else 1, num_warps=4,
+        **launch_args(xq, pdl))
     return out, sg, ss

@@ -36,7 +36,13 @@ def launch_args(t: torch.Tensor, pdl: bool) -> dict:
 
 
 @triton.jit
-def wait_previous(PDL: tl.constexpr):
+def wait_previous(PDL: tl.constexpr, EARLY: tl.constexpr = False):
+    """EARLY: the next launch is let in before this one waits (its programs then wait for this whole grid, which
+    waits for the one ahead: the order of effects stays the stream's), so its work ahead of its own wait (a TMA
+    GEMM's weight stages) overlaps this kernel's wait and the kernel ahead."""
     if PDL:
+        if EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not EARLY:
+            tl.extra.cuda.gdc_launch_dependents()

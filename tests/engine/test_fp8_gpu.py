@@ -85,12 +85,15 @@ def test_fp8_tensor_and_expert_parallel_gpu(tiny_models, tmp_path, arch, ep):
 WIDE_TOL = 2 * GPU_TOL  # hidden 4096: the CPU reference path itself is up to 0.16 off HF at this width
 
 
-def test_fp8_tma_o_projection_gpu(tmp_path, monkeypatch):
-    """The default --fp8-tma-gemm --fp8-tma-early (kernels/triton/fp8_tma.py) on a two-layer Llama with
-    Llama-3-8B's attention ((128, 128) blocks; its o projection takes that GEMM, let in early by the merge): every
-    decode step's logprob of the token it chose, in CUDA graphs and eager, against HF on the dequantized weights
-    fed the same tokens; the graphs' tokens equal eager's; with compile-ahead, no variant of the GEMM or of the
-    merge compiles while the eager engine decodes."""
+@pytest.mark.parametrize("ring", [False, True])
+def test_fp8_tma_o_projection_gpu(tmp_path, monkeypatch, ring):
+    """--fp8-tma-gemm --fp8-tma-early (kernels/triton/fp8_tma.py) on a two-layer Llama with Llama-3-8B's attention
+    ((128, 128) blocks; its o projection takes that GEMM, let in early by the merge), with the ring fields off, and
+    (ring) the defaults: also --fp8-tma-ring --fp8-tma-ring-normed --fp8-tma-ring-early, the down projection on the
+    ring form from the SiLU-and-mul's quantized rows, gate_up from the pending norm's, each let in early, in 1-row
+    decode steps (RING_MAX_ROWS): every decode step's logprob of the token it chose, in CUDA
+    graphs and eager, against HF on the dequantized weights fed the same tokens; the graphs' tokens equal eager's;
+    with compile-ahead, no variant of the GEMMs or of the merge compiles while the eager engine decodes."""
     from collections import Counter
 
     import transformers
@@ -99,13 +102,17 @@ def test_fp8_tma_o_projection_gpu(tmp_path, monkeypatch):
     from tandem.kernels.compile_watch import WATCH
     from tandem.kernels.triton import fp8_tma
     fp8_gpu_dtype()
-    calls, earlies = [], []
-    launch, attend = fp8_tma.fp8_tma_linear, attention.paged_attention
+    calls, rings, earlies = [], [], []
+    launch, ring_launch, attend = fp8_tma.fp8_tma_linear, fp8_tma.fp8_tma_ring_linear, attention.paged_attention
     monkeypatch.setattr(fp8_tma, "fp8_tma_linear", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    monkeypatch.setattr(fp8_tma, "fp8_tma_ring_linear",
+                        lambda *a, **k: rings.append("norm_in" in k) or ring_launch(*a, **k))
     monkeypatch.setattr(attention, "paged_attention",
                         lambda *a, early: earlies.append(early) or attend(*a, early=early))
+    # ring, intermediate 512: gate_up (1024 x 4096) on a Triton plan that quantizes ahead (1024's takes a plan
+    # that quantizes in the GEMM), down (4096 x 512) on the ring's rule
     cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=4096, num_hidden_layers=2, num_attention_heads=32,
-                                   num_key_value_heads=8, head_dim=128, intermediate_size=1024,
+                                   num_key_value_heads=8, head_dim=128, intermediate_size=512 if ring else 1024,
                                    max_position_embeddings=512, tie_word_embeddings=False,
                                    architectures=["LlamaForCausalLM"])
     torch.manual_seed(0)
@@ -117,12 +124,14 @@ def test_fp8_tma_o_projection_gpu(tmp_path, monkeypatch):
     for eager in (True, False):  # eager first: no variant compiled in this process before its compile-ahead
         llm = LLM(str(tmp_path / "fp8"), device="cuda", compile_ahead=eager, dtype="bfloat16", block_size=16,
                   kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False, enforce_eager=eager,
-                  max_model_len=512, max_num_seqs=16, max_num_batched_tokens=512)  # (a short compile-ahead)
-        calls.clear()
-        earlies.clear()
+                  max_model_len=512, max_num_seqs=1 if ring else 16,  # (ring: its 1-row decode steps)
+                  max_num_batched_tokens=512,  # (a short compile-ahead)
+                  fp8_tma_ring=ring, fp8_tma_ring_normed=ring, fp8_tma_ring_early=ring)
+        calls.clear(), rings.clear(), earlies.clear()
         compiled = Counter(WATCH.by_kernel)
         outs = llm.generate(PROMPTS, params)
         assert (calls and any(earlies)) or not eager  # (graphs captured the launches at start-up)
+        assert not eager or set(rings) == ({False, True} if ring else set())  # down and gate_up on the ring
         late = {k for k in Counter(WATCH.by_kernel) - compiled if "fp8_tma" in k or "merge_splits" in k}
         assert not (eager and late), f"compile-ahead missed {late}"
         tokens[eager] = [o.token_ids for o in outs]

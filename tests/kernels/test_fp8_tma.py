@@ -122,3 +122,133 @@ def test_matches_reference_gpu(m, n, k, norm):
             assert torch.allclose(ss[:m].sum(1), (sf * sf).sum(1), rtol=1e-3)
     from tandem.kernels.triton.device import tickets
     assert not tickets(x.device).any()
+
+
+def test_ring_plan_rule():
+    """The ring form: a program an SM at the fewest K shares, as many stages as the SM's programs leave room for."""
+    from tandem.kernels.triton.fp8_tma import MAX_STAGES, ring_plan
+    assert ring_plan(4096, 14336, 132) == (8, 6)  # Llama-3-8B down: 256 programs (two an SM) of 14 tiles
+    assert ring_plan(28672, 4096, 132) == (1, 6)  # its gate_up: 224 strips of 32 tiles
+    assert ring_plan(4096, 4096, 132) == (8, 4)  # its o: 4 tiles a program, all in flight
+    assert ring_plan(256, 128, 132) == (1, 1)  # one tile
+    assert ring_plan(4096, 1536, 132) == (4, 3)  # 12 tiles: the largest power of two dividing them
+    assert ring_plan(512, 384, 132) == (1, 3)
+    assert ring_plan(128, 128 * 64, 1)[1] == MAX_STAGES
+
+
+def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: bool, pdl: bool = True):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from tandem.kernels.triton.fp8_tma import _fp8_tma_ring_kernel, _w_desc
+    from triton.experimental.gluon import language as gl
+    w = torch.empty(4096, 4096, dtype=torch.float8_e4m3fn)
+    x = torch.empty(1, 4096, dtype=torch.float8_e4m3fn)
+    x_desc = TensorDescriptor.from_tensor(x, [16, 128], gl.NVMMASharedLayout.get_default_for([16, 128], gl.float8e4nv))
+    ptrs = dict(xs_ptr="*fp32", ws_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32",
+                res_ptr="*bf16", g_ptr="*bf16", sg_ptr="*bf16", ss_ptr="*fp32", ss_in_ptr="*fp32")
+    ints = ("M", "N", "K", "stride_xs", "stride_ws", "stride_om", "stride_rm", "stride_gm", "in_strips")
+    consts = dict(TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=stages, SPLIT=split, NORM_OUT=norm_out,
+                  NORM_IN=norm_in, S_PAD=32, PDL=pdl, num_warps=4)
+    sig = {"w_desc": _w_desc(w).__mangle__(), "x_desc": x_desc.__mangle__(), **ptrs, **{n: "i32" for n in ints},
+           "eps": "fp32", **{n: "constexpr" for n in consts}}
+    return triton.compile(GluonASTSource(_fp8_tma_ring_kernel, sig, constexprs=consts),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+@pytest.mark.parametrize("tiles,stages,split,norm_out,norm_in,per_sm", [
+    (14, 6, 8, True, False, 2), (32, 6, 1, False, True, 2), (4, 4, 8, True, False, 2), (1, 1, 1, False, False, 1)])
+def test_ring_compiles_with_its_first_stages_before_the_wait(tiles, stages, split, norm_out, norm_in, per_sm):
+    """The plans of ring_plan's rule (the 8B down, gate_up, o; one tile) compile for sm_90 with the first STAGES
+    weight tiles requested before the PDL wait, a weight and an x copy a tile, the split-K ticket only with a split,
+    the pending norm's 1/rms only with NORM_IN, and the shared memory the rule counted (per_sm programs an SM)."""
+    compiled = _compile_ring(tiles, stages, split, norm_out, norm_in)
+    ptx = compiled.asm["ptx"]
+    copies = [i for i in range(len(ptx)) if ptx.startswith("cp.async.bulk.tensor", i)]
+    wait = ptx.index("griddepcontrol.wait")
+    assert len(copies) == 2 * tiles  # a weight tile and an x tile each
+    assert sum(c < wait for c in copies) == stages  # the first stages' weight tiles, ahead of the wait
+    assert ptx.count("wgmma.mma_async") == tiles * 8
+    assert ("atom.global" in ptx or "atom.acq_rel" in ptx) == (split > 1)
+    assert ("rsqrt" in ptx) == norm_in
+    assert compiled.metadata.shared * per_sm <= 227 * 1024
+
+
+def test_ring_takes_rows_quantized_ahead_where_the_o_gemm_does_not(monkeypatch):
+    """kernels.fp8 with fp8_tma_ring on such a GPU (stood in for: CPU): the SiLU-and-mul ahead of a down projection
+    writes its rows quantized at 1 row (quant_ahead; RING_MAX_ROWS), not ahead of the o projection the TMA GEMM takes from
+    bf16 rows, nor with the field off; the pending-norm form (fp8_tma_ring_normed) only where the Triton plan
+    quantizes in a launch ahead (the 8B gate_up; not its qkv, whose plan quantizes in the GEMM)."""
+    from tandem.kernels import KernelConfig, fp8
+    monkeypatch.setattr(fp8, "_tma_device", lambda x: True)
+    on = KernelConfig(fp8_tma_ring=True, fp8_tma_ring_normed=True)
+    down, o = torch.empty(4096, 14336, dtype=fp8.E4M3), torch.empty(4096, 4096, dtype=fp8.E4M3)
+    act, attn = torch.empty(1, 14336, dtype=torch.bfloat16), torch.empty(1, 4096, dtype=torch.bfloat16)
+    assert fp8.quant_ahead(act, down, (128, 128), on) == (fp8.E4M3, 128)
+    assert fp8.quant_ahead(act, down, (128, 128), KernelConfig(fp8_tma_ring=False)) is None
+    assert fp8.quant_ahead(act.expand(2, -1), down, (128, 128), on) is None  # RING_MAX_ROWS: it lost at 16 rows
+    assert fp8.quant_ahead(attn, o, (128, 128), on) is None  # the o GEMM quantizes bf16 rows itself
+    assert fp8.quant_ahead(attn, o, (128, 128), KernelConfig(fp8_tma_gemm=False, fp8_tma_ring=True)) is not None
+    assert fp8.quant_ahead(act, down, (1, 128), on) is None  # a scale a row
+    sg = torch.empty(1, 4096, dtype=torch.bfloat16)
+    gate_up, qkv = torch.empty(28672, 4096, dtype=fp8.E4M3), torch.empty(6144, 4096, dtype=fp8.E4M3)
+    assert fp8.tma_ring(sg, gate_up, (128, 128), on, normed=True) and not fp8._quantizes_in_gemm(sg, gate_up,
+                                                                                                 (128, 128))
+    assert fp8._quantizes_in_gemm(sg, qkv, (128, 128))
+    assert not fp8.tma_ring(sg, gate_up, (128, 128), KernelConfig(fp8_tma_ring_normed=False), normed=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("n,k", [(4096, 14336), (28672, 4096), (4096, 1536), (256, 256)])
+@pytest.mark.parametrize("mode", ["plain", "norm_out", "norm_in"])
+def test_ring_matches_reference_gpu(m, n, k, mode):
+    """fp8_tma_ring_linear against kernels.fp8's reference on the same quantized rows (dequantize, then matmul):
+    plain, with the pending norm's producer side (s, sg, ss) and with its consumer side (each row's 1/rms)."""
+    g, w, ws, x = hopper_block_case(m, n, k)
+    from tandem.kernels.fp8 import E4M3, _quantized_linear_ref, quantize_rows
+    from tandem.kernels.triton.device import tickets
+    from tandem.kernels.triton.fp8_tma import fp8_tma_ring_linear, ring_supports
+    assert ring_supports(1, w, (128, 128), x.device)  # (the step sends it 1 row: RING_MAX_ROWS; it takes 16)
+    xq, xs = quantize_rows(x, E4M3, 128)
+    ref = _quantized_linear_ref(xq, xs, w, ws, (128, 128), None, torch.bfloat16).float()
+    res = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    gamma = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
+    ss_in = torch.zeros(16, 32, device="cuda")
+    ss_in[:m] = torch.rand(m, 32, device="cuda", generator=g) * k / 32
+    kw = dict(residual=res, norm_weight=gamma) if mode == "norm_out" else {}
+    if mode == "norm_in":
+        kw = dict(norm_in=(ss_in, 1e-5))
+        ref = ref * torch.rsqrt(ss_in[:m].sum(1) / k + 1e-5)[:, None]
+    want = (ref + res.float()).to(torch.bfloat16).float() if mode == "norm_out" else ref
+    for pdl in (False, True):  # twice each: the tickets are back to zero after a launch
+        out, sg, ss = fp8_tma_ring_linear(xq, xs, w, ws, torch.bfloat16, pdl=pdl, **kw)
+        assert ((out.float() - want).norm() / want.norm()).item() < 1e-2
+        if mode == "norm_out":
+            sf = out.float()
+            assert torch.allclose(sg.float(), (sf * gamma.float()).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+            assert ss.shape == (16, n // 128) and not ss[m:].any()
+            assert torch.allclose(ss[:m].sum(1), (sf * sf).sum(1), rtol=1e-3)
+    assert not tickets(x.device).any()
+
+
+@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("kernel", ["silu_quant", "quant_groups"])
+def test_ring_inputs_let_the_ring_in_before_their_wait_only_when_early(kernel, early):
+    """The SiLU-and-mul writing quantized rows and the activation quantization (fp8_tma_ring_early): the next
+    launch is let in (griddepcontrol.launch_dependents) before the kernel's own wait only with EARLY."""
+    from tandem.kernels.triton.activation import _silu_and_mul_kernel
+    from tandem.kernels.triton.fp8_skinny import _quant_groups_kernel
+    from tests.kernels.test_fp8 import _compile_sm90
+    if kernel == "silu_quant":
+        fn, types, consts = _silu_and_mul_kernel, dict(x_ptr="*bf16", out_ptr="*bf16", q_ptr="*fp8e4nv",
+                                                       qs_ptr="*fp32", fp8_max="fp32"), dict(BLOCK=1024,
+                                                                                             QUANT_GROUP=128)
+    else:
+        fn, types, consts = _quant_groups_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32",
+                                                       fp8_max="fp32", block_rows_ptr="*fp32"), dict(
+            GROUP=128, GROUPS=8, BLOCK_ROWS=0)
+    ptx = _compile_sm90(fn, types, dict(consts, PDL=True, EARLY=early), 4, 1).asm["ptx"]
+    assert (ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")) == early
