@@ -146,9 +146,8 @@ def quant_ahead(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None,
     if x.device.type != "cpu" and not (use_triton(x) and has_fp8_compute(x.device)
                                        and x.dtype in (torch.bfloat16, torch.float16)):
         return None
-    from tandem.kernels.triton.fp8_skinny import plan, supports
-    m, (n, k) = x.shape[0], w.shape
-    if k != x.shape[1] or not supports(m, block) or plan(m, n, k, block[1])["QUANT"]:
+    from tandem.kernels.triton.fp8_skinny import supports
+    if w.shape[1] != x.shape[1] or not supports(x.shape[0], block) or _quantizes_in_gemm(x, w, block):
         return None
     return w.dtype, block[1]
 
@@ -183,8 +182,8 @@ def rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
 
 def silu_and_mul_quant(x: torch.Tensor, dtype: torch.dtype, group: int,
                        config: KernelConfig = DEFAULT_KERNELS) -> QuantRows:
-    """SiLU-and-mul writing the next FP8 GEMM's quantized input; at 1..16 rows (quant_ahead's: the TMA GEMM's ring
-    form takes them) it lets that GEMM in early with config.fp8_tma_ring_early."""
+    """SiLU-and-mul writing the next FP8 GEMM's quantized input; at decode sizes (<= 16 rows, where quant_ahead asks
+    for quantized rows only for the TMA GEMM's ring form) it lets that GEMM in early with config.fp8_tma_ring_early."""
     if use_triton(x):
         from tandem.kernels.triton.activation import silu_and_mul_quant_triton
         from tandem.kernels.triton.linear import MAX_ROWS
