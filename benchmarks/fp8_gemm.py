@@ -309,6 +309,65 @@ def cold_sweep_rows(rows_list=(1,), layouts=("block",), torch_only: bool = False
     return rows
 
 
+def _ring_candidates(m: int, n: int, k: int) -> list[dict]:
+    """Ring plans (kernels/triton/fp8_tma.py): K shares x stages whose stages fit one program's shared memory."""
+    from tandem.kernels.triton.fp8_tma import BK, BN, MAX_STAGES, SMEM_PER_SM, ring_box
+    tiles, stage = k // BK, BN * BK + ring_box(m) * BK
+    return [dict(SPLIT=split, STAGES=st) for split in (1, 2, 4, 8, 16) for st in (2, 4, 6, MAX_STAGES)
+            if tiles % split == 0 and st <= tiles // split and st * stage < SMEM_PER_SM - 16384]
+
+
+def ring_sweep_rows(rows_list=(1, 16, 64), shapes=None) -> list[dict]:
+    """The TMA GEMM's ring form against the Triton decode GEMM on the same rows quantized ahead, cold weights as
+    cold_sweep_rows times them (block-scaled (128, 128); at 1-16 rows a Triton plan that quantizes in the GEMM
+    is timed from the bf16 rows, as the step runs it): the ring's rule, each _ring_candidates plan, and the
+    Triton plan the kernels pick, each checked against kernels.fp8's reference."""
+    from benchmarks.profile_decode import _in_graph_us
+    from benchmarks.roofline import copy_bandwidth
+    from tandem.kernels.fp8 import _quantized_linear_ref
+    from tandem.kernels.triton.device import num_sms
+    from tandem.kernels.triton.fp8 import fp8_linear_triton
+    from tandem.kernels.triton.fp8_skinny import fp8_skinny_linear_triton, plan, quantize_rows_triton
+    from tandem.kernels.triton.fp8_tma import fp8_tma_ring_linear, ring_plan
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + written)", flush=True)
+    block, rows, best = (128, 128), [], []
+    for m, n, k, _, _, op in _cold_cases(rows_list, ("block",), shapes):
+        x, wq, ws, wqs, copies, calls, nbytes = (op[key] for key in ("x", "wq", "ws", "wqs", "copies", "calls",
+                                                                     "nbytes"))
+        xq, xs = quantize_rows_triton(x, wq.dtype, 128)
+        ref = _quantized_linear_ref(xq, xs, wq, ws, block, None, torch.bfloat16).float()
+        of = lambda us: nbytes / (us * 1e-6) / bw  # noqa: E731
+        tri = plan(m, n, k, 128)
+        if tri["QUANT"]:
+            def tri_run(i):
+                return fp8_linear_triton(x, wqs[i], ws, block)
+        else:
+            def tri_run(i):
+                return fp8_skinny_linear_triton(xq, wqs[i], ws, block, quantized=xs, dtype=torch.bfloat16)
+        tri_us = _timed_if_right(f"triton {m}x{n}x{k}", tri, lambda: tri_run(0), ref,
+                                 lambda: _in_graph_us(tri_run, copies, calls))
+        rule = dict(zip(("SPLIT", "STAGES"), ring_plan(n, k, num_sms(x.device), m)))
+        timed, rule_us = _time_plans(
+            f"ring {m}x{n}x{k}", rule, [c for c in _ring_candidates(m, n, k) if c != rule], ref,
+            lambda cand: fp8_tma_ring_linear(xq, xs, wq, ws, torch.bfloat16, plan=(cand["SPLIT"], cand["STAGES"]))[0],
+            lambda cand: _in_graph_us(lambda i: fp8_tma_ring_linear(
+                xq, xs, wqs[i], ws, torch.bfloat16, plan=(cand["SPLIT"], cand["STAGES"]))[0], copies, calls))
+        rows += [dict(model="fp8-ring-cold", what=f"{m}x{n}x{k}", us=us, of_floor=of(us), plan=cand,
+                      rule=cand is rule) for us, cand in timed]
+        rows.append(dict(model="fp8-ring-cold", what=f"{m}x{n}x{k} triton", us=tri_us,
+                         of_floor=of(tri_us) if tri_us else None, plan=tri))
+        us, cand = min(timed, key=lambda t: t[0])
+        line = (f"    {m}x{n}x{k}: ring best {cand} {us:.1f} us ({of(us):.0%} of copy bw); ring rule {rule} "
+                f"{rule_us:.1f} us; triton {tri_us or float('nan'):.1f} us"
+                f"{f' ({of(tri_us):.0%})' if tri_us else ''}, plan {tri}")
+        print(line, flush=True)
+        best.append(line)
+    print("ring form against the Triton decode GEMM per shape:")
+    print("\n".join(best))
+    return rows
+
+
 def _w8a16_candidates(k: int, block_k) -> list[dict]:
     """W8A16 plans (kernels/triton/linear.py with fp8 weights): strip width x split x warps x
     K tile (within the K block when block-scaled)."""
@@ -425,12 +484,16 @@ if __name__ == "__main__":
                     help="sweep SWAP plans (the weight as the wgmma's M side); with --chain: their rule")
     ap.add_argument("--deep", action="store_true",
                     help="sweep the pipeline depth (num_stages) with strip width and split (_deep_candidates)")
+    ap.add_argument("--ring", action="store_true",
+                    help="the TMA GEMM's ring form against the Triton decode GEMM on rows quantized ahead (ring_sweep_rows)")
     ap.add_argument("--shapes", nargs="+", default=None, help="N,K pairs (default: the 8B's and the 30B's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else None
     if args.chain:
         result = chain_rows(tuple(args.rows), swap=args.swap)
+    elif args.ring:
+        result = ring_sweep_rows(tuple(args.rows), shapes)
     elif args.w8a16:
         result = w8a16_sweep_rows(tuple(args.rows), tuple(args.layouts), shapes)
     else:
