@@ -19,7 +19,7 @@ captures its decode graphs (GEMM and expert plans in their tables, the decode at
 plan_tune's hook): the plans it found, timed as the engine runs them. A file may also be written by
 hand, e.g. {"walks": [{"what": "tma (4096, 4096)", "best": {"SPLIT": 4}}]} for the TMA decode GEMM's
 split (kernels/triton/fp8_tma.py PLANS), or "tma ring (N, K)" with {"SPLIT": s, "STAGES": t} for its ring
-form (RING_PLANS; at up to 16 rows, "tma ring (N, K, 32)" or "(N, K, 64)" for its 32- and 64-row x tiles). It joins fields like any other part: "plans=FILE+no-pdl", and
+form (RING_PLANS). It joins fields like any other part: "plans=FILE+no-pdl", and
 other plans files: "plans=A+plans=B" installs A's plans, then B's (B's win where both set one).
 
   python -m benchmarks.ab_decode --models llama3-8b --variants default no-fuse-norms no-pdl
@@ -85,10 +85,8 @@ def tuned_plans(variant: str) -> list[tuple[dict | None, object, dict]]:
         elif kind == "tma":
             from tandem.kernels.triton import fp8_tma
             ring = key.startswith("ring ")
-            shape = ast.literal_eval(key.removeprefix("ring "))
-            if ring and len(shape) == 2:  # (N, K): the ring's 16-row x tiles (up to 16 rows)
-                shape = (*shape, fp8_tma.BM)
-            out.append((fp8_tma.RING_PLANS if ring else fp8_tma.PLANS, shape, w["best"]))
+            out.append((fp8_tma.RING_PLANS if ring else fp8_tma.PLANS, ast.literal_eval(key.removeprefix("ring ")),
+                        w["best"]))
         elif kind == "experts":
             out += [(moe.W8A16_PAIRS, name, value) for name, value in w["best"].items()]
         elif w["what"] == "decode attention":

@@ -309,19 +309,20 @@ def cold_sweep_rows(rows_list=(1,), layouts=("block",), torch_only: bool = False
     return rows
 
 
-def _ring_candidates(m: int, n: int, k: int) -> list[dict]:
+def _ring_candidates(n: int, k: int) -> list[dict]:
     """Ring plans (kernels/triton/fp8_tma.py): K shares x stages whose stages fit one program's shared memory."""
-    from tandem.kernels.triton.fp8_tma import BK, BN, MAX_STAGES, SMEM_PER_SM, ring_box
-    tiles, stage = k // BK, BN * BK + ring_box(m) * BK
+    from tandem.kernels.triton.fp8_tma import BK, MAX_STAGES, SMEM_PER_SM, STAGE_SMEM
+    tiles, stage = k // BK, STAGE_SMEM
     return [dict(SPLIT=split, STAGES=st) for split in (1, 2, 4, 8, 16) for st in (2, 4, 6, MAX_STAGES)
             if tiles % split == 0 and st <= tiles // split and st * stage < SMEM_PER_SM - 16384]
 
 
-def ring_sweep_rows(rows_list=(1, 16, 64), shapes=None) -> list[dict]:
+def ring_sweep_rows(rows_list=(1, 16), shapes=None) -> list[dict]:
     """The TMA GEMM's ring form against the Triton decode GEMM on the same rows quantized ahead, cold weights as
-    cold_sweep_rows times them (block-scaled (128, 128); at 1-16 rows a Triton plan that quantizes in the GEMM
-    is timed from the bf16 rows, as the step runs it): the ring's rule, each _ring_candidates plan, and the
-    Triton plan the kernels pick, each checked against kernels.fp8's reference."""
+    cold_sweep_rows times them (block-scaled (128, 128), 1-16 rows; a Triton plan that quantizes in the GEMM is
+    timed from the bf16 rows, as the step runs it, the ring without the quantization launch it needs ahead): the
+    ring's rule, each _ring_candidates plan, and the Triton plan the kernels pick, each checked against
+    kernels.fp8's reference."""
     from benchmarks.profile_decode import _in_graph_us
     from benchmarks.roofline import copy_bandwidth
     from tandem.kernels.fp8 import _quantized_linear_ref
@@ -347,9 +348,9 @@ def ring_sweep_rows(rows_list=(1, 16, 64), shapes=None) -> list[dict]:
                 return fp8_skinny_linear_triton(xq, wqs[i], ws, block, quantized=xs, dtype=torch.bfloat16)
         tri_us = _timed_if_right(f"triton {m}x{n}x{k}", tri, lambda: tri_run(0), ref,
                                  lambda: _in_graph_us(tri_run, copies, calls))
-        rule = dict(zip(("SPLIT", "STAGES"), ring_plan(n, k, num_sms(x.device), m)))
+        rule = dict(zip(("SPLIT", "STAGES"), ring_plan(n, k, num_sms(x.device))))
         timed, rule_us = _time_plans(
-            f"ring {m}x{n}x{k}", rule, [c for c in _ring_candidates(m, n, k) if c != rule], ref,
+            f"ring {m}x{n}x{k}", rule, [c for c in _ring_candidates(n, k) if c != rule], ref,
             lambda cand: fp8_tma_ring_linear(xq, xs, wq, ws, torch.bfloat16, plan=(cand["SPLIT"], cand["STAGES"]))[0],
             lambda cand: _in_graph_us(lambda i: fp8_tma_ring_linear(
                 xq, xs, wqs[i], ws, torch.bfloat16, plan=(cand["SPLIT"], cand["STAGES"]))[0], copies, calls))

@@ -65,8 +65,6 @@ class KernelConfig:
         "norm) lets the ring GEMM in before its own PDL wait, so its first weight stages stream during the tail "
         "of the GEMM ahead")})
     fp8_tma_ring_batch: bool = field(default=False, metadata={"help": (
-        "the ring form at 2-64 rows too (its x tiles 16, 32 or 64 rows; the pending norms' forms at up to 16), "
-        "wherever it takes the layer at 1 row and, at 17-64 rows, wherever the kernel ahead writes the input "
-        "quantized (--fuse-fp8-quant)")})
+        "the ring form at 2-16 rows too, wherever it takes the layer at 1 row")})
 
 DEFAULT_KERNELS = KernelConfig()

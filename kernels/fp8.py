@@ -133,8 +133,8 @@ def quant_ahead(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None,
     """(fp8 dtype, group) where fp8_linear on x's rows [T, K] would quantize them in a launch of its
     own ahead of the FP8 decode GEMM: config.fuse_fp8_quant, block-scaled, 17..MAX_ROWS rows (below,
     the decode paths carry the norms: PendingNorm), bf16/fp16 rows on a GPU with FP8, a plan that
-    does not quantize in the GEMM (there the ring form takes them with config.fp8_tma_ring_batch); or at 1..16
-    rows where the TMA GEMM's ring form takes them (tma_ring) and the o projection's TMA GEMM does not. Then the kernel producing x writes it quantized (QuantRows). On
+    does not quantize in the GEMM; or at 1..16 rows where the TMA GEMM's ring form takes them (tma_ring)
+    and the o projection's TMA GEMM does not. Then the kernel producing x writes it quantized (QuantRows). On
     the CPU the same rule picks the references' fused forms, which compute the very same values."""
     from tandem.kernels.triton.linear import MAX_ROWS as NORM_ROWS
     if x.dim() == 2 and 0 < x.shape[0] <= NORM_ROWS and x.dtype in (torch.bfloat16, torch.float16):
@@ -183,12 +183,11 @@ def rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
 def silu_and_mul_quant(x: torch.Tensor, dtype: torch.dtype, group: int,
                        config: KernelConfig = DEFAULT_KERNELS) -> QuantRows:
     """SiLU-and-mul writing the next FP8 GEMM's quantized input; at decode sizes (<= 16 rows, where quant_ahead asks
-    for quantized rows only for the TMA GEMM's ring form; up to ring_rows with config.fp8_tma_ring_batch) it lets
-    that GEMM in early with config.fp8_tma_ring_early."""
+    for quantized rows only for the TMA GEMM's ring form) it lets that GEMM in early with config.fp8_tma_ring_early."""
     if use_triton(x):
         from tandem.kernels.triton.activation import silu_and_mul_quant_triton
         from tandem.kernels.triton.linear import MAX_ROWS
-        early = config.fp8_tma_ring_early and x.reshape(-1, x.shape[-1]).shape[0] <= max(MAX_ROWS, ring_rows(config))
+        early = config.fp8_tma_ring_early and x.reshape(-1, x.shape[-1]).shape[0] <= MAX_ROWS
         q, s = silu_and_mul_quant_triton(x, dtype, group, config.pdl, early)
     else:
         q, s = silu_and_mul_quant_ref(x, dtype, group)
@@ -320,7 +319,7 @@ def tma_ring(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None,
 
 
 def ring_rows(config: KernelConfig) -> int:
-    """The most rows the decode step sends the ring form: 1, or 64 with config.fp8_tma_ring_batch."""
+    """The most rows the decode step sends the ring form: 1, or 16 with config.fp8_tma_ring_batch."""
     from tandem.kernels.triton import fp8_tma
     return fp8_tma.RING_BATCH_ROWS if config.fp8_tma_ring_batch else fp8_tma.RING_MAX_ROWS
 
@@ -333,9 +332,8 @@ def fp8_linear_add_norm(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: t
     apply. x: [T, K] (QuantRows: on the TMA GEMM's ring form, tma_ring); w: [N, K] fp8; residual: [T, N];
     norm_weight: [N]."""
     if isinstance(x, QuantRows):
-        from tandem.kernels.triton.linear import MAX_ROWS as NORM_ROWS
-        if not (x.shape[0] <= NORM_ROWS and tma_ring(x.q, w, block, config) and x.group == block[1]
-                and x.q.dtype == w.dtype and norm_weight.dtype == residual.dtype == x.dtype and config.fuse_norms):
+        if not (tma_ring(x.q, w, block, config) and x.group == block[1] and x.q.dtype == w.dtype
+                and norm_weight.dtype == residual.dtype == x.dtype and config.fuse_norms):
             return None
         from tandem.kernels.triton.fp8_tma import fp8_tma_ring_linear
         s, sg, ss = fp8_tma_ring_linear(x.q, x.s, w, w_scale, x.dtype, residual, norm_weight, pdl=config.pdl)

@@ -311,50 +311,47 @@ def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, resi
 
 # ---- the ring form: x quantized ahead, any number of K tiles a program --------------------------------------
 
+STAGE_SMEM = BN * BK + BM * BK  # a weight tile and its x tile
 # Rows the ring form takes in the decode step: in it on an H200 it won at 1 row (Llama-3-8B 2.667 -> 2.572 ms,
 # Qwen3-30B-A3B 2.390 -> 2.368) and lost at 16 (3.600 -> 3.835, 6.717 -> 6.923; benchmarks/RESULTS.md);
-# KernelConfig.fp8_tma_ring_batch sends it up to RING_BATCH_ROWS (the kernel takes that many: x tiles of ring_box rows)
+# KernelConfig.fp8_tma_ring_batch sends it up to RING_BATCH_ROWS, all it takes. (With 64-row x tiles it lost to the
+# Triton 64-row GEMM: the Llama-3-8B b=64 step 6.570 against 5.091 ms, gate_up alone 50.0 against 37.4 us.)
 RING_MAX_ROWS = 1
-RING_BATCH_ROWS = 64
+RING_BATCH_ROWS = BM
 RING_FIXED_SMEM = 2048  # the barriers and the compiler's scratch (a layout conversion, a reduction)
 MAX_STAGES = 8
-# Measured plans: (N, K, ring_box) -> {"SPLIT": s, "STAGES": t}, where one beat ring_plan's rule in a decode step
-# (benchmarks.ab_decode plans=F, F a walk {"what": "tma ring (N, K, box)", "best": {...}}).
-RING_PLANS: dict[tuple[int, int, int], dict] = {}
+# Measured plans: (N, K) -> {"SPLIT": s, "STAGES": t}, where one beat ring_plan's rule in a decode step
+# (benchmarks.ab_decode plans=F, F a walk {"what": "tma ring (N, K)", "best": {...}}).
+RING_PLANS: dict[tuple[int, int], dict] = {}
 
 
-def ring_box(m: int) -> int:
-    """The rows of x a ring program's tiles hold (the wgmma's N side) for m <= RING_BATCH_ROWS rows: 16, 32 or 64."""
-    return next(b for b in (BM, 32, RING_BATCH_ROWS) if m <= b)
-
-
-def ring_plan(n: int, k: int, sms: int, m: int = 1) -> tuple[int, int] | None:
-    """(SPLIT, STAGES) for m rows @ a weight [N, K] on the ring form: RING_PLANS's, else the fewest K shares (a
-    power of two dividing K's tiles) that give every SM a program, and as many stages (at most MAX_STAGES, at most
-    the share's tiles; a stage a weight tile and an x tile of ring_box(m) rows) as the programs an SM then holds
-    leave shared memory for; None where a RING_PLANS split does not divide K's tiles or fewer than two stages fit."""
-    strips, tiles, box = n // BN, k // BK, ring_box(m)
+def ring_plan(n: int, k: int, sms: int) -> tuple[int, int] | None:
+    """(SPLIT, STAGES) for a weight [N, K] on the ring form: RING_PLANS's, else the fewest K shares (a power of
+    two dividing K's tiles) that give every SM a program, and as many stages (at most MAX_STAGES, at most the
+    share's tiles) as the programs an SM then holds leave shared memory for; None where a RING_PLANS split does
+    not divide K's tiles or fewer than two stages fit."""
+    strips, tiles = n // BN, k // BK
     split = 1
     while strips * split < sms and tiles % (2 * split) == 0:
         split *= 2
-    plan = RING_PLANS.get((n, k, box), {})
+    plan = RING_PLANS.get((n, k), {})
     split = plan.get("SPLIT", split)
     if tiles % split:
         return None
     per_sm = -(-strips * split // sms)
-    room = SMEM_PER_SM // per_sm - RING_FIXED_SMEM - triton.next_power_of_2(tiles // split) * box * 4
-    stages = plan.get("STAGES", min(MAX_STAGES, tiles // split, room // (BN * BK + box * BK)))
+    room = SMEM_PER_SM // per_sm - RING_FIXED_SMEM - triton.next_power_of_2(tiles // split) * BM * 4
+    stages = plan.get("STAGES", min(MAX_STAGES, tiles // split, room // STAGE_SMEM))
     return (split, stages) if stages >= min(2, tiles // split) else None
 
 
 def ring_supports(m: int, w: torch.Tensor, block: tuple[int, int] | None, device: torch.device,
                   max_rows: int = RING_MAX_ROWS) -> bool:
     """Whether the decode step runs m rows quantized ahead (groups of 128) @ w.T on fp8_tma_ring_linear (which takes
-    1..RING_BATCH_ROWS): up to max_rows rows, an e4m3 weight [N, K] with (128, 128) blocks, N and K multiples of
+    1..RING_BATCH_ROWS = 16): up to max_rows rows, an e4m3 weight [N, K] with (128, 128) blocks, N and K multiples of
     128, a ring_plan."""
     n, k = w.shape
     return (0 < m <= min(max_rows, RING_BATCH_ROWS) and block == (BN, BK) and w.dtype == torch.float8_e4m3fn
-            and n % BN == 0 and k % BK == 0 and n // BN <= MAX_TICKETS and ring_plan(n, k, num_sms(device), m) is not None)
+            and n % BN == 0 and k % BK == 0 and n // BN <= MAX_TICKETS and ring_plan(n, k, num_sms(device)) is not None)
 
 
 def fp8_tma_ring_linear(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -362,29 +359,28 @@ def fp8_tma_ring_linear(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_s
                         norm_weight: torch.Tensor | None = None, norm_in: tuple[torch.Tensor, float] | None = None,
                         pdl: bool = True, plan: tuple[int, int] | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kernels.fp8._quantized_linear_ref for rows quantized ahead: xq [M <= RING_BATCH_ROWS, K] e4m3, xs [M, K / 128]
-    float32 (quantize_rows with groups of 128), w [N, K] e4m3 with w_scale [N / 128, K / 128] (ring_supports) -> out
-    [M, N] in dtype. residual [M, N] and norm_weight [N] (NORM_OUT; M <= 16): (s, sg, ss) as fp8_tma_linear.
-    norm_in (ss [16, strips] float32, eps; M <= 16): xq is a pending norm's sg quantized, the output scaled by each
-    row's 1/rms. plan: (SPLIT, STAGES), default ring_plan."""
+    """kernels.fp8._quantized_linear_ref for rows quantized ahead: xq [M <= 16, K] e4m3, xs [M, K / 128] float32
+    (quantize_rows with groups of 128), w [N, K] e4m3 with w_scale [N / 128, K / 128] (ring_supports) -> out
+    [M, N] in dtype. residual [M, N] and norm_weight [N] (NORM_OUT): (s, sg, ss) as fp8_tma_linear. norm_in
+    (ss [16, strips] float32, eps): xq is a pending norm's sg quantized, the output scaled by each row's 1/rms.
+    plan: (SPLIT, STAGES), default ring_plan."""
     m, k = xq.shape
     n = w.shape[0]
+    if not 0 < m <= BM:
+        raise ValueError(f"fp8_tma_ring_linear: {m} rows (at most {BM})")
     norm = residual is not None
-    if not 0 < m <= (BM if norm or norm_in is not None else RING_BATCH_ROWS):
-        raise ValueError(f"fp8_tma_ring_linear: {m} rows (at most {RING_BATCH_ROWS}; {BM} with a pending norm)")
-    box = ring_box(m)
-    split, stages = plan or ring_plan(n, k, num_sms(xq.device), m)
+    split, stages = plan or ring_plan(n, k, num_sms(xq.device))
     tiles = k // BK // split
     out = torch.empty(m, n, device=xq.device, dtype=dtype)
     sg = torch.empty_like(out) if norm else out
     ss = torch.empty(BM, n // BN, device=xq.device, dtype=torch.float32) if norm else out
-    part = torch.empty(split, box, n, device=xq.device, dtype=torch.float32) if split > 1 else out
+    part = torch.empty(split, BM, n, device=xq.device, dtype=torch.float32) if split > 1 else out
     if norm:
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     res, g = (residual, norm_weight) if norm else (out, out)
     ss_in, eps = norm_in if norm_in is not None else (out, 0.0)
     xq = xq if xq.stride(-1) == 1 and xq.stride(0) % 16 == 0 else xq.contiguous()
-    x_desc = TensorDescriptor.from_tensor(xq, [box, BK], gl.NVMMASharedLayout.get_default_for([box, BK], gl.float8e4nv))
+    x_desc = TensorDescriptor.from_tensor(xq, [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv))
     w_scale = w_scale.contiguous()
     _fp8_tma_ring_kernel[(n // BN, split)](
         _w_desc(w), x_desc, xs, w_scale, out, part, tickets(xq.device), res, g, sg, ss, ss_in, m, n, k, xs.stride(0),

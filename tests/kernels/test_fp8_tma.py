@@ -134,27 +134,20 @@ def test_ring_plan_rule():
     assert ring_plan(4096, 1536, 132) == (4, 3)  # 12 tiles: the largest power of two dividing them
     assert ring_plan(512, 384, 132) == (1, 3)
     assert ring_plan(128, 128 * 64, 1)[1] == MAX_STAGES
-    # 64-row x tiles (8 KB a stage more, 256 B of scales a tile): fewer stages where shared memory bounds them
-    assert ring_plan(4096, 14336, 132, m=64) == (8, 4)  # 2 programs an SM: (113.5 - 2 - 4) KB / 24 KB
-    assert ring_plan(28672, 4096, 132, m=64) == (1, 4)
-    assert ring_plan(4096, 14336, 132, m=33) == ring_plan(4096, 14336, 132, m=64)
-    assert ring_plan(4096, 14336, 132, m=16) == ring_plan(4096, 14336, 132)
 
 
-def test_ring_rows_and_boxes():
-    """ring_box: 16-, 32- and 64-row x tiles; ring_supports: up to its max_rows (1 unless the step asks for more),
-    never past RING_BATCH_ROWS."""
-    from tandem.kernels.triton.fp8_tma import RING_BATCH_ROWS, ring_box, ring_supports
-    assert [ring_box(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
-    with pytest.raises(StopIteration):
-        ring_box(RING_BATCH_ROWS + 1)
+def test_ring_rows():
+    """ring_supports: up to its max_rows (1 unless the step asks for more: fp8_tma_ring_batch), never past the 16
+    rows of the kernel's x tiles."""
+    from tandem.kernels.triton.fp8_tma import RING_BATCH_ROWS, ring_supports
     w = torch.empty(4096, 14336, dtype=torch.float8_e4m3fn)
     cpu = torch.device("cpu")
+    assert RING_BATCH_ROWS == 16
     assert ring_supports(1, w, (128, 128), cpu) and not ring_supports(2, w, (128, 128), cpu)
-    assert ring_supports(64, w, (128, 128), cpu, max_rows=64) and not ring_supports(65, w, (128, 128), cpu, 128)
+    assert ring_supports(16, w, (128, 128), cpu, max_rows=16) and not ring_supports(17, w, (128, 128), cpu, 64)
 
 
-def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: bool, pdl: bool = True, box: int = 16):
+def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: bool, pdl: bool = True):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -164,8 +157,7 @@ def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: 
     from triton.experimental.gluon import language as gl
     w = torch.empty(4096, 4096, dtype=torch.float8_e4m3fn)
     x = torch.empty(1, 4096, dtype=torch.float8_e4m3fn)
-    x_desc = TensorDescriptor.from_tensor(x, [box, 128],
-                                          gl.NVMMASharedLayout.get_default_for([box, 128], gl.float8e4nv))
+    x_desc = TensorDescriptor.from_tensor(x, [16, 128], gl.NVMMASharedLayout.get_default_for([16, 128], gl.float8e4nv))
     ptrs = dict(xs_ptr="*fp32", ws_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32",
                 res_ptr="*bf16", g_ptr="*bf16", sg_ptr="*bf16", ss_ptr="*fp32", ss_in_ptr="*fp32")
     ints = ("M", "N", "K", "stride_xs", "stride_ws", "stride_om", "stride_rm", "stride_gm", "in_strips")
@@ -177,22 +169,19 @@ def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: 
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
-@pytest.mark.parametrize("tiles,stages,split,norm_out,norm_in,per_sm,box", [
-    (14, 6, 8, True, False, 2, 16), (32, 6, 1, False, True, 2, 16), (4, 4, 8, True, False, 2, 16),
-    (1, 1, 1, False, False, 1, 16), (14, 4, 8, False, False, 2, 64), (32, 4, 1, False, False, 2, 64),
-    (4, 4, 8, False, False, 2, 32)])
-def test_ring_compiles_with_its_first_stages_before_the_wait(tiles, stages, split, norm_out, norm_in, per_sm, box):
-    """The plans of ring_plan's rule (the 8B down, gate_up, o; one tile; 64- and 32-row x tiles) compile for sm_90
-    with the first STAGES weight tiles requested before the PDL wait, a weight and an x copy a tile, the split-K
-    ticket only with a split, the pending norm's 1/rms only with NORM_IN, and the shared memory the rule counted
-    (per_sm programs an SM)."""
-    compiled = _compile_ring(tiles, stages, split, norm_out, norm_in, box=box)
+@pytest.mark.parametrize("tiles,stages,split,norm_out,norm_in,per_sm", [
+    (14, 6, 8, True, False, 2), (32, 6, 1, False, True, 2), (4, 4, 8, True, False, 2), (1, 1, 1, False, False, 1)])
+def test_ring_compiles_with_its_first_stages_before_the_wait(tiles, stages, split, norm_out, norm_in, per_sm):
+    """The plans of ring_plan's rule (the 8B down, gate_up, o; one tile) compile for sm_90 with the first STAGES
+    weight tiles requested before the PDL wait, a weight and an x copy a tile, the split-K ticket only with a split,
+    the pending norm's 1/rms only with NORM_IN, and the shared memory the rule counted (per_sm programs an SM)."""
+    compiled = _compile_ring(tiles, stages, split, norm_out, norm_in)
     ptx = compiled.asm["ptx"]
     copies = [i for i in range(len(ptx)) if ptx.startswith("cp.async.bulk.tensor", i)]
     wait = ptx.index("griddepcontrol.wait")
     assert len(copies) == 2 * tiles  # a weight tile and an x tile each
     assert sum(c < wait for c in copies) == stages  # the first stages' weight tiles, ahead of the wait
-    assert ptx.count("wgmma.mma_async") == tiles * 8  # 128 weight rows x 128 deep: 2 x 4 of m64nBOXk32
+    assert ptx.count("wgmma.mma_async") == tiles * 8
     assert ("atom.global" in ptx or "atom.acq_rel" in ptx) == (split > 1)
     assert ("rsqrt" in ptx) == norm_in
     assert compiled.metadata.shared * per_sm <= 227 * 1024
@@ -222,10 +211,9 @@ def test_ring_takes_rows_quantized_ahead_where_the_o_gemm_does_not(monkeypatch):
     assert not fp8.tma_ring(sg, gate_up, (128, 128), KernelConfig(fp8_tma_ring_normed=False), normed=True)
 
 
-def test_ring_batch_takes_up_to_64_rows_quantized_ahead(monkeypatch):
-    """fp8_tma_ring_batch: the SiLU-and-mul writes its rows quantized for the ring at 2-16 rows as at 1; at 17-64
-    rows the producers quantize where the Triton plan takes quantized rows (fuse_fp8_quant), and the ring takes them;
-    at 65 rows it does not; the pending norm's producer form stays at <= 16 rows (its sums of squares hold 16)."""
+def test_ring_batch_takes_2_to_16_rows_quantized_ahead(monkeypatch):
+    """fp8_tma_ring_batch: the SiLU-and-mul writes its rows quantized for the ring at 2-16 rows as at 1 (not by
+    default); 17 rows and more keep the Triton 64-row GEMM."""
     from tandem.kernels import KernelConfig, fp8
     monkeypatch.setattr(fp8, "_tma_device", lambda x: True)
     on = KernelConfig(fp8_tma_ring_batch=True)
@@ -234,19 +222,12 @@ def test_ring_batch_takes_up_to_64_rows_quantized_ahead(monkeypatch):
         act = torch.empty(m, 14336, dtype=torch.bfloat16)
         assert fp8.quant_ahead(act, down, (128, 128), on) == (fp8.E4M3, 128)
         assert fp8.quant_ahead(act, down, (128, 128)) is None  # the default: 1 row
-    for m, ring in ((17, True), (64, True), (65, False)):
-        q = torch.empty(m, 14336, dtype=fp8.E4M3)
-        assert fp8.tma_ring(q, down, (128, 128), on) == ring
-        assert not fp8.tma_ring(q, down, (128, 128))
-    assert fp8.quant_ahead(torch.empty(64, 14336, dtype=torch.bfloat16), down, (128, 128), on) == (fp8.E4M3, 128)
-    rows = fp8.QuantRows(torch.empty(17, 4096, dtype=fp8.E4M3), torch.empty(17, 32), 128, torch.bfloat16)
-    o = torch.empty(4096, 4096, dtype=fp8.E4M3)
-    res, g = torch.empty(17, 4096, dtype=torch.bfloat16), torch.empty(4096, dtype=torch.bfloat16)
-    assert fp8.fp8_linear_add_norm(rows, o, torch.empty(32, 32), (128, 128), res, g, 1e-5, on) is None
+        assert fp8.tma_ring(torch.empty(m, 14336, dtype=fp8.E4M3), down, (128, 128), on)
+    assert not fp8.tma_ring(torch.empty(17, 14336, dtype=fp8.E4M3), down, (128, 128), on)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 5, 16, 17, 32, 64])
+@pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("n,k", [(4096, 14336), (28672, 4096), (4096, 1536), (256, 256)])
 @pytest.mark.parametrize("mode", ["plain", "norm_out", "norm_in"])
 def test_ring_matches_reference_gpu(m, n, k, mode):
@@ -256,13 +237,7 @@ def test_ring_matches_reference_gpu(m, n, k, mode):
     from tandem.kernels.fp8 import E4M3, _quantized_linear_ref, quantize_rows
     from tandem.kernels.triton.device import tickets
     from tandem.kernels.triton.fp8_tma import fp8_tma_ring_linear, ring_supports
-    assert ring_supports(m, w, (128, 128), x.device, max_rows=64)
-    if m > 16 and mode != "plain":  # the pending norm's forms hold 16 rows
-        with pytest.raises(ValueError):
-            fp8_tma_ring_linear(*quantize_rows(x, E4M3, 128), w, ws, torch.bfloat16,
-                                **(dict(norm_in=(torch.zeros(16, 32, device="cuda"), 1e-5)) if mode == "norm_in"
-                                   else dict(residual=x[:, :n], norm_weight=x[0, :n])))
-        return
+    assert ring_supports(m, w, (128, 128), x.device, max_rows=16)
     xq, xs = quantize_rows(x, E4M3, 128)
     ref = _quantized_linear_ref(xq, xs, w, ws, (128, 128), None, torch.bfloat16).float()
     res = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g)
