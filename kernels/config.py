@@ -58,13 +58,11 @@ class KernelConfig:
         "through shared-memory stages by TMA, the first stages requested before its PDL wait "
         "(kernels/triton/fp8_tma.py; block-scaled (128, 128))")})
     fp8_tma_ring_normed: bool = field(default=True, metadata={"help": (
-        "the same ring form for an FP8 layer after a pending norm whose Triton plan quantizes its input in a "
-        "launch ahead (the dense gate_up_proj)")})
+        "the same ring form for an FP8 layer after a pending norm (qkv_proj, the dense gate_up_proj), its input "
+        "quantized by a launch ahead")})
     fp8_tma_ring_early: bool = field(default=True, metadata={"help": (
         "the kernel writing the ring form's quantized input (the SiLU-and-mul; the quantization after a pending "
         "norm) lets the ring GEMM in before its own PDL wait, so its first weight stages stream during the tail "
         "of the GEMM ahead")})
-    fp8_tma_ring_batch: bool = field(default=False, metadata={"help": (
-        "the ring form at 2-16 rows too, wherever it takes the layer at 1 row")})
 
 DEFAULT_KERNELS = KernelConfig()

@@ -314,10 +314,9 @@ def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, resi
 STAGE_SMEM = BN * BK + BM * BK  # a weight tile and its x tile
 # Rows the ring form takes in the decode step: in it on an H200 it won at 1 row (Llama-3-8B 2.667 -> 2.572 ms,
 # Qwen3-30B-A3B 2.390 -> 2.368) and lost at 16 (3.600 -> 3.835, 6.717 -> 6.923; benchmarks/RESULTS.md);
-# KernelConfig.fp8_tma_ring_batch sends it up to RING_BATCH_ROWS, all it takes. (With 64-row x tiles it lost to the
-# Triton 64-row GEMM: the Llama-3-8B b=64 step 6.570 against 5.091 ms, gate_up alone 50.0 against 37.4 us.)
+# at 16 rows again with plans that won alone (3.602 -> 3.846; its gate_up slows the o GEMM ahead); with 64-row x
+# tiles it lost to the Triton 64-row GEMM (the b=64 step 6.570 against 5.091 ms, gate_up alone 50.0 against 37.4 us)
 RING_MAX_ROWS = 1
-RING_BATCH_ROWS = BM
 RING_FIXED_SMEM = 2048  # the barriers and the compiler's scratch (a layout conversion, a reduction)
 MAX_STAGES = 8
 # Measured plans: (N, K) -> {"SPLIT": s, "STAGES": t}, where one beat ring_plan's rule in a decode step
@@ -344,13 +343,12 @@ def ring_plan(n: int, k: int, sms: int) -> tuple[int, int] | None:
     return (split, stages) if stages >= min(2, tiles // split) else None
 
 
-def ring_supports(m: int, w: torch.Tensor, block: tuple[int, int] | None, device: torch.device,
-                  max_rows: int = RING_MAX_ROWS) -> bool:
+def ring_supports(m: int, w: torch.Tensor, block: tuple[int, int] | None, device: torch.device) -> bool:
     """Whether the decode step runs m rows quantized ahead (groups of 128) @ w.T on fp8_tma_ring_linear (which takes
-    1..RING_BATCH_ROWS = 16): up to max_rows rows, an e4m3 weight [N, K] with (128, 128) blocks, N and K multiples of
-    128, a ring_plan."""
+    1..16): up to RING_MAX_ROWS rows, an e4m3 weight [N, K] with (128, 128) blocks, N and K multiples of 128, a
+    ring_plan."""
     n, k = w.shape
-    return (0 < m <= min(max_rows, RING_BATCH_ROWS) and block == (BN, BK) and w.dtype == torch.float8_e4m3fn
+    return (0 < m <= RING_MAX_ROWS and block == (BN, BK) and w.dtype == torch.float8_e4m3fn
             and n % BN == 0 and k % BK == 0 and n // BN <= MAX_TICKETS and ring_plan(n, k, num_sms(device)) is not None)
 
 

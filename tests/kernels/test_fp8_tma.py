@@ -136,17 +136,6 @@ def test_ring_plan_rule():
     assert ring_plan(128, 128 * 64, 1)[1] == MAX_STAGES
 
 
-def test_ring_rows():
-    """ring_supports: up to its max_rows (1 unless the step asks for more: fp8_tma_ring_batch), never past the 16
-    rows of the kernel's x tiles."""
-    from tandem.kernels.triton.fp8_tma import RING_BATCH_ROWS, ring_supports
-    w = torch.empty(4096, 14336, dtype=torch.float8_e4m3fn)
-    cpu = torch.device("cpu")
-    assert RING_BATCH_ROWS == 16
-    assert ring_supports(1, w, (128, 128), cpu) and not ring_supports(2, w, (128, 128), cpu)
-    assert ring_supports(16, w, (128, 128), cpu, max_rows=16) and not ring_supports(17, w, (128, 128), cpu, 64)
-
-
 def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: bool, pdl: bool = True):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -190,8 +179,8 @@ def test_ring_compiles_with_its_first_stages_before_the_wait(tiles, stages, spli
 def test_ring_takes_rows_quantized_ahead_where_the_o_gemm_does_not(monkeypatch):
     """kernels.fp8 with fp8_tma_ring on such a GPU (stood in for: CPU): the SiLU-and-mul ahead of a down projection
     writes its rows quantized at 1 row (quant_ahead; RING_MAX_ROWS), not ahead of the o projection the TMA GEMM takes from
-    bf16 rows, nor with the field off; the pending-norm form (fp8_tma_ring_normed) only where the Triton plan
-    quantizes in a launch ahead (the 8B gate_up; not its qkv, whose plan quantizes in the GEMM)."""
+    bf16 rows, nor with the field off; the pending-norm form (fp8_tma_ring_normed) for the 8B gate_up and its qkv
+    too, whose Triton plan would quantize in the GEMM."""
     from tandem.kernels import KernelConfig, fp8
     monkeypatch.setattr(fp8, "_tma_device", lambda x: True)
     on = KernelConfig(fp8_tma_ring=True, fp8_tma_ring_normed=True)
@@ -207,23 +196,8 @@ def test_ring_takes_rows_quantized_ahead_where_the_o_gemm_does_not(monkeypatch):
     gate_up, qkv = torch.empty(28672, 4096, dtype=fp8.E4M3), torch.empty(6144, 4096, dtype=fp8.E4M3)
     assert fp8.tma_ring(sg, gate_up, (128, 128), on, normed=True) and not fp8._quantizes_in_gemm(sg, gate_up,
                                                                                                  (128, 128))
-    assert fp8._quantizes_in_gemm(sg, qkv, (128, 128))
+    assert fp8._quantizes_in_gemm(sg, qkv, (128, 128)) and fp8.tma_ring(sg, qkv, (128, 128), on, normed=True)
     assert not fp8.tma_ring(sg, gate_up, (128, 128), KernelConfig(fp8_tma_ring_normed=False), normed=True)
-
-
-def test_ring_batch_takes_2_to_16_rows_quantized_ahead(monkeypatch):
-    """fp8_tma_ring_batch: the SiLU-and-mul writes its rows quantized for the ring at 2-16 rows as at 1 (not by
-    default); 17 rows and more keep the Triton 64-row GEMM."""
-    from tandem.kernels import KernelConfig, fp8
-    monkeypatch.setattr(fp8, "_tma_device", lambda x: True)
-    on = KernelConfig(fp8_tma_ring_batch=True)
-    down = torch.empty(4096, 14336, dtype=fp8.E4M3)
-    for m in (2, 16):
-        act = torch.empty(m, 14336, dtype=torch.bfloat16)
-        assert fp8.quant_ahead(act, down, (128, 128), on) == (fp8.E4M3, 128)
-        assert fp8.quant_ahead(act, down, (128, 128)) is None  # the default: 1 row
-        assert fp8.tma_ring(torch.empty(m, 14336, dtype=fp8.E4M3), down, (128, 128), on)
-    assert not fp8.tma_ring(torch.empty(17, 14336, dtype=fp8.E4M3), down, (128, 128), on)
 
 
 @pytest.mark.gpu
@@ -237,7 +211,7 @@ def test_ring_matches_reference_gpu(m, n, k, mode):
     from tandem.kernels.fp8 import E4M3, _quantized_linear_ref, quantize_rows
     from tandem.kernels.triton.device import tickets
     from tandem.kernels.triton.fp8_tma import fp8_tma_ring_linear, ring_supports
-    assert ring_supports(m, w, (128, 128), x.device, max_rows=16)
+    assert ring_supports(1, w, (128, 128), x.device)  # (the step sends it 1 row: RING_MAX_ROWS; it takes 16)
     xq, xs = quantize_rows(x, E4M3, 128)
     ref = _quantized_linear_ref(xq, xs, w, ws, (128, 128), None, torch.bfloat16).float()
     res = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g)
