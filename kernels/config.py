@@ -64,5 +64,10 @@ class KernelConfig:
         "the kernel writing the ring form's quantized input (the SiLU-and-mul; the quantization after a pending "
         "norm) lets the ring GEMM in before its own PDL wait, so its first weight stages stream during the tail "
         "of the GEMM ahead")})
+    fp8_tma_ring_moe: bool = field(default=True, metadata={"help": (
+        "one token's routed FP8 experts (a batch-1 decode step, every expert here; compute capability 9.0 and up; "
+        "block-scaled (128, 128)) on the ring form instead of the W8A16 expert kernels: a routing launch, the "
+        "row quantized, w13 over the top-k experts' strips side by side, the SiLU-and-mul quantizing, w2 with a "
+        "K share an expert (kernels/triton/fp8_tma.py fp8_tma_ring_experts)")})
 
 DEFAULT_KERNELS = KernelConfig()

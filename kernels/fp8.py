@@ -318,6 +318,36 @@ def tma_ring(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None,
     return fp8_tma.ring_supports(x.shape[0], w, block, x.device)
 
 
+def ring_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, scales: tuple, top_k: int,
+                 config: KernelConfig = DEFAULT_KERNELS) -> bool:
+    """Whether x's routed experts (every one held here) run on the ring form (routed_experts_ring):
+    config.fp8_tma_ring_moe, such a GPU (_tma_device), one token, scales = (w13_scale, w2_scale, block) laid out
+    [E, 2I / 128, H / 128] and [E, H / 128, I / 128], shapes the ring takes (fp8_tma.ring_experts_supports)."""
+    if not (config.fp8_tma_ring_moe and x.dim() == 2 and _tma_device(x)):
+        return False
+    from tandem.kernels.triton import fp8_tma
+    (e, two_i, h), (s13, s2, block) = w13.shape, scales
+    return (fp8_tma.ring_experts_supports(x.shape[0], w13, w2, block, top_k, x.device)
+            and tuple(s13.shape) == (e, two_i // 128, h // 128) and tuple(s2.shape) == (e, h // 128, two_i // 256))
+
+
+def routed_experts_ring(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                        top_k: int, renormalize: bool, scoring: str, norm_in: tuple | None, norm_out: tuple | None,
+                        scales: tuple, config: KernelConfig = DEFAULT_KERNELS):
+    """kernels.moe.routed_experts on the ring form (ring_experts): the routing launch, x's row quantized (not
+    early: the w13 launch after it reads the expert ids before its wait), then fp8_tma_ring_experts. norm_in /
+    norm_out as routed_experts takes them."""
+    from tandem.kernels.triton.fp8_skinny import quantize_rows_triton
+    from tandem.kernels.triton.fp8_tma import fp8_tma_ring_experts
+    from tandem.kernels.triton.routing import topk_routing_triton
+    weights, ids = topk_routing_triton(router_logits, top_k, renormalize, scoring, config.pdl)
+    xq, xs = quantize_rows_triton(x, w13.dtype, 128, config.pdl)
+    residual, norm_weight = norm_out if norm_out is not None else (None, None)
+    out, sg, ss = fp8_tma_ring_experts(xq, xs, w13, scales[0], w2, scales[1], ids, weights, x.dtype, norm_in,
+                                       residual, norm_weight, config.pdl, config.fp8_tma_ring_early)
+    return (out, sg, ss) if norm_out is not None else out
+
+
 def fp8_linear_add_norm(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: torch.Tensor,
                         block: tuple[int, int] | None, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         config: KernelConfig = DEFAULT_KERNELS) -> PendingNorm | None:

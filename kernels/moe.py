@@ -73,8 +73,13 @@ def routed_experts(
     eps), x is a pending norm's s * weight; norm_out = (residual, norm weight), returns (s, sg,
     ss) of the next norm left pending (kernels.linear.PendingNorm). scales = (w13_scale,
     w2_scale, block): fp8 experts (kernels/fp8.py layouts) on the same kernels, their weights
-    converted to x's dtype (W8A16); the reference multiplies the dequantized weights."""
+    converted to x's dtype (W8A16), or for one token on a Hopper GPU the TMA ring (kernels.fp8.ring_experts);
+    the reference multiplies the dequantized weights."""
     if use_triton(x):
+        from tandem.kernels.fp8 import ring_experts, routed_experts_ring
+        if scales is not None and ring_experts(x, w13, w2, scales, top_k, config):
+            return routed_experts_ring(x, router_logits, w13, w2, top_k, renormalize, scoring, norm_in, norm_out,
+                                       scales, config)
         from tandem.kernels.triton.moe import routed_experts_triton
         return routed_experts_triton(x, router_logits, w13, w2, top_k, renormalize, scoring, norm_in, norm_out,
                                      config.pdl, scales, config.fp8_int_convert)

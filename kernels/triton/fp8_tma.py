@@ -144,14 +144,21 @@ def _finish(acc, out_ptr, part_ptr, ticket_ptr, sg_ptr, ss_ptr, r, g, rm, rn, ma
 @gluon.jit
 def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, res_ptr, g_ptr, sg_ptr, ss_ptr,
                          ss_in_ptr, M, N, K, stride_xs, stride_ws, stride_om, stride_rm, stride_gm, in_strips, eps,
+                         ids_ptr, topk_w_ptr,
                          TILES: gl.constexpr, T_PAD: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
                          NORM_OUT: gl.constexpr, NORM_IN: gl.constexpr, S_PAD: gl.constexpr, PDL: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         num_warps: gl.constexpr, EXPERT_STRIPS: gl.constexpr = 0, EXPERT_SHARES: gl.constexpr = False):
     """The ring form (fp8_tma_ring_linear): x quantized ahead (fp8 rows by TMA, their scales xs [M, K / 128]),
     TILES K tiles a program through STAGES shared-memory stages of a weight tile and its x tile, one mbarrier a
     stage; the first STAGES weight tiles requested before the wait, a stage refilled with the tile STAGES ahead
     once its (synchronous) wgmma has read it. NORM_IN: x is the pending norm's sg, each row scaled at the end by
-    its 1/rms from ss_in [16, in_strips] (kernels/triton/linear.py's pending_rstd)."""
+    its 1/rms from ss_in [16, in_strips] (kernels/triton/linear.py's pending_rstd).
+
+    One token's routed experts (fp8_tma_ring_experts; the weights stacked [E * rows, K], their scales [E * rows /
+    128, K / 128]; ids_ptr the token's top-k expert ids, complete before this launch, so read before the wait):
+    EXPERT_STRIPS = S (w13): strip pid_n is strip pid_n % S of expert ids[pid_n // S], out [1, top_k * S * 128]
+    the pairs' rows side by side. EXPERT_SHARES (w2, SPLIT = top_k): K share pid_k is all of expert ids[pid_k]'s K
+    over x row pid_k (the pair's activation), its scales times topk_w[pid_k]: the split-K sum is the top-k sum."""
     BN_: gl.constexpr = w_desc.block_type.shape[0]
     BK_: gl.constexpr = w_desc.block_type.shape[1]
     BM_: gl.constexpr = x_desc.block_type.shape[0]
@@ -159,6 +166,15 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     pid_k = gl.program_id(1)
     n0 = pid_n * BN_
     kb0 = pid_k * TILES
+    w_row = pid_n  # the strip's row block in the weight, its first K tile there and in x, x's first row
+    wk0 = kb0
+    x_row = 0
+    if EXPERT_STRIPS > 0:
+        w_row = gl.load(ids_ptr + pid_n // EXPERT_STRIPS) * EXPERT_STRIPS + pid_n % EXPERT_STRIPS
+    if EXPERT_SHARES:
+        w_row = gl.load(ids_ptr + pid_k) * gl.num_programs(0) + pid_n
+        wk0 = 0
+        x_row = pid_k
 
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN_, BK_], w_desc.layout)
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM_, BK_], x_desc.layout)
@@ -169,7 +185,7 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     fence_async_shared()
     for i in gl.static_range(STAGES):  # the weight depends on no kernel ahead
         mbarrier.expect(bars.index(i), nbytes)
-        TMA_LOAD(w_desc, [n0, (kb0 + i) * BK_], bars.index(i), w_smem.index(i))
+        TMA_LOAD(w_desc, [w_row * BN_, (wk0 + i) * BK_], bars.index(i), w_smem.index(i))
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                    instr_shape=[16, BM_, 256 // w_desc.dtype.primitive_bitwidth])
     rm = gl.arange(0, BM_, layout=gl.SliceLayout(0, mma))
@@ -177,7 +193,7 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     mask = (rm < M)[None, :] & (rn < N)[:, None]
     vec: gl.constexpr = gl.BlockedLayout([T_PAD], [32], [num_warps], [0])  # every thread holds the whole vector
     tv = gl.arange(0, T_PAD, layout=vec)
-    ws = gl.load(ws_ptr + pid_n * stride_ws + kb0 + tv, mask=tv < TILES, other=0.0)  # the strip's scales
+    ws = gl.load(ws_ptr + w_row * stride_ws + wk0 + tv, mask=tv < TILES, other=0.0)  # the strip's scales
     g = gl.zeros([BN_], gl.float32, gl.SliceLayout(1, mma))
     if NORM_OUT:
         g = gl.load(g_ptr + rn, mask=rn < N, other=0.0).to(gl.float32)
@@ -185,15 +201,18 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
-    for i in gl.static_range(STAGES):  # x rows past M arrive as zeros (the descriptor's bounds)
-        TMA_LOAD(x_desc, [0, (kb0 + i) * BK_], bars.index(i), x_smem.index(i))
+    for i in gl.static_range(STAGES):  # x rows past M arrive as zeros (the descriptor's bounds) or go unused
+        TMA_LOAD(x_desc, [x_row, (wk0 + i) * BK_], bars.index(i), x_smem.index(i))
     r = gl.zeros([BN_, BM_], gl.float32, mma)
     if NORM_OUT:
         r = gl.load(res_ptr + rm[None, :] * stride_rm + rn[:, None], mask=mask, other=0.0).to(gl.float32)
     # the rows' scales of the program's K tiles, tile-major, through shared memory (read a tile at a time below)
     sl: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     j = gl.arange(0, T_PAD * BM_, layout=sl)
-    xs = gl.load(xs_ptr + (j % BM_) * stride_xs + kb0 + j // BM_, mask=(j % BM_ < M) & (j // BM_ < TILES), other=0.0)
+    xs = gl.load(xs_ptr + (x_row + j % BM_) * stride_xs + wk0 + j // BM_, mask=(j % BM_ < M) & (j // BM_ < TILES),
+                 other=0.0)
+    if EXPERT_SHARES:
+        xs = xs * gl.load(topk_w_ptr + pid_k)
     xs_smem = gl.allocate_shared_memory(gl.float32, [T_PAD * BM_], gl.SwizzledSharedLayout(1, 1, 1, order=[0]), xs)
     rstd = gl.full([BM_], 1.0, gl.float32, gl.SliceLayout(0, mma))
     if NORM_IN:
@@ -214,8 +233,8 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
         acc += d * (xs_smem.slice(i * BM_, BM_).load(gl.SliceLayout(0, mma)) * _pick(ws, i, vec))[None, :]
         if i + STAGES < TILES:  # the wgmma above is synchronous: stage st is free again
             mbarrier.expect(bars.index(st), nbytes)
-            TMA_LOAD(w_desc, [n0, (kb0 + i + STAGES) * BK_], bars.index(st), w_smem.index(st))
-            TMA_LOAD(x_desc, [0, (kb0 + i + STAGES) * BK_], bars.index(st), x_smem.index(st))
+            TMA_LOAD(w_desc, [w_row * BN_, (wk0 + i + STAGES) * BK_], bars.index(st), w_smem.index(st))
+            TMA_LOAD(x_desc, [x_row, (wk0 + i + STAGES) * BK_], bars.index(st), x_smem.index(st))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
     if NORM_IN:
@@ -337,10 +356,16 @@ def ring_plan(n: int, k: int, sms: int) -> tuple[int, int] | None:
     split = plan.get("SPLIT", split)
     if tiles % split:
         return None
-    per_sm = -(-strips * split // sms)
-    room = SMEM_PER_SM // per_sm - RING_FIXED_SMEM - triton.next_power_of_2(tiles // split) * BM * 4
-    stages = plan.get("STAGES", min(MAX_STAGES, tiles // split, room // STAGE_SMEM))
+    stages = plan.get("STAGES", _ring_stages(strips * split, tiles // split, sms))
     return (split, stages) if stages >= min(2, tiles // split) else None
+
+
+def _ring_stages(programs: int, tiles: int, sms: int) -> int:
+    """As many stages (at most MAX_STAGES, at most the program's tiles) as the programs an SM holds leave shared
+    memory for."""
+    per_sm = -(-programs // sms)
+    room = SMEM_PER_SM // per_sm - RING_FIXED_SMEM - triton.next_power_of_2(tiles) * BM * 4
+    return min(MAX_STAGES, tiles, room // STAGE_SMEM)
 
 
 def ring_supports(m: int, w: torch.Tensor, block: tuple[int, int] | None, device: torch.device) -> bool:
@@ -382,8 +407,76 @@ def fp8_tma_ring_linear(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_s
     w_scale = w_scale.contiguous()
     _fp8_tma_ring_kernel[(n // BN, split)](
         _w_desc(w), x_desc, xs, w_scale, out, part, tickets(xq.device), res, g, sg, ss, ss_in, m, n, k, xs.stride(0),
-        w_scale.stride(0), out.stride(0), res.stride(0), sg.stride(0), ss_in.shape[1] if norm_in else 1, eps,
+        w_scale.stride(0), out.stride(0), res.stride(0), sg.stride(0), ss_in.shape[1] if norm_in else 1, eps, out, out,
         TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=min(stages, tiles), SPLIT=split, NORM_OUT=norm,
         NORM_IN=norm_in is not None, S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in else 1, num_warps=4,
         **launch_args(xq, pdl))
+    return out, sg, ss
+
+
+def _x_desc(xq: torch.Tensor) -> TensorDescriptor:
+    xq = xq if xq.stride(-1) == 1 and xq.stride(0) % 16 == 0 else xq.contiguous()
+    return TensorDescriptor.from_tensor(xq, [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv))
+
+
+def ring_experts_supports(m: int, w13: torch.Tensor, w2: torch.Tensor, block: tuple[int, int] | None, top_k: int,
+                          device: torch.device) -> bool:
+    """Whether fp8_tma_ring_experts takes m tokens' routed experts: one token, e4m3 experts w13 [E, 2I, H] and w2
+    [E, H, I] with (128, 128) blocks, 2I, H and I multiples of 128, a ring_plan for the top-k pairs' w13 strips side
+    by side, two stages for w2 (a K share an expert)."""
+    e, two_i, h = w13.shape
+    return (m == 1 and block == (BN, BK) and w13.dtype == w2.dtype == torch.float8_e4m3fn
+            and tuple(w2.shape) == (e, h, two_i // 2) and two_i % (2 * BN) == 0 and h % BN == 0
+            and top_k * two_i // BN <= MAX_TICKETS and ring_plan(top_k * two_i, h, num_sms(device)) is not None
+            and _ring_stages(h // BN * top_k, two_i // 2 // BK, num_sms(device)) >= min(2, two_i // 2 // BK))
+
+
+def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                         w2: torch.Tensor, w2_scale: torch.Tensor, ids: torch.Tensor, topk_w: torch.Tensor,
+                         dtype: torch.dtype, norm_in: tuple[torch.Tensor, float] | None = None,
+                         residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                         pdl: bool = True, early: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token's routed experts on the ring form, every expert held here (ring_experts_supports): xq [1, H] e4m3
+    and xs [1, H / 128] its row quantized ahead (norm_in: a pending norm's sg, as fp8_tma_ring_linear takes it);
+    w13 [E, 2I, H], w2 [E, H, I] e4m3 with scales [E, 2I / 128, H / 128], [E, H / 128, I / 128]; ids [1, k] int32,
+    topk_w [1, k] float32 from a launch before the one ahead of this (read before the wait). Three launches: w13
+    for the k pairs' strips side by side (EXPERT_STRIPS), the SiLU-and-mul writing each pair's activation quantized
+    (early: letting w2 in before its wait), w2 with a K share a pair (EXPERT_SHARES) whose split-K sum is the
+    top-k sum. -> (out [1, H] in dtype, sg, ss) as fp8_tma_ring_linear (residual and norm_weight: NORM_OUT)."""
+    from tandem.kernels.triton.activation import silu_and_mul_quant_triton
+    e, two_i, h = w13.shape
+    inter, top_k = two_i // 2, ids.shape[-1]
+    dev = xq.device
+    ids, topk_w = ids.reshape(-1).contiguous(), topk_w.reshape(-1).contiguous()
+    n1 = top_k * two_i
+    split, stages = ring_plan(n1, h, num_sms(dev))
+    gate_up = torch.empty(1, n1, device=dev, dtype=dtype)
+    part = torch.empty(split, BM, n1, device=dev, dtype=torch.float32) if split > 1 else gate_up
+    ss_in, eps = norm_in if norm_in is not None else (gate_up, 0.0)
+    s13 = w13_scale.reshape(e * two_i // BN, -1)
+    tiles = h // BK // split
+    _fp8_tma_ring_kernel[(n1 // BN, split)](
+        _w_desc(w13.view(e * two_i, h)), _x_desc(xq), xs, s13, gate_up, part, tickets(dev), gate_up, gate_up,
+        gate_up, gate_up, ss_in, 1, n1, h, xs.stride(0), s13.stride(0), gate_up.stride(0), 0, 0,
+        ss_in.shape[1] if norm_in else 1, eps, ids, topk_w, TILES=tiles, T_PAD=triton.next_power_of_2(tiles),
+        STAGES=min(stages, tiles), SPLIT=split, NORM_OUT=False, NORM_IN=norm_in is not None,
+        S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in else 1, num_warps=4, EXPERT_STRIPS=two_i // BN,
+        **launch_args(xq, pdl))
+    aq, a_s = silu_and_mul_quant_triton(gate_up.view(top_k, two_i), xq.dtype, BK, pdl, early=early)
+    norm = residual is not None
+    out = torch.empty(1, h, device=dev, dtype=dtype)
+    sg = torch.empty_like(out) if norm else out
+    ss = torch.empty(BM, h // BN, device=dev, dtype=torch.float32) if norm else out
+    part = torch.empty(top_k, BM, h, device=dev, dtype=torch.float32)
+    if norm:
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    res, g = (residual, norm_weight) if norm else (out, out)
+    s2 = w2_scale.reshape(e * h // BN, -1)
+    tiles = inter // BK
+    _fp8_tma_ring_kernel[(h // BN, top_k)](
+        _w_desc(w2.view(e * h, inter)), _x_desc(aq), a_s, s2, out, part, tickets(dev), res, g, sg, ss, out, 1, h,
+        inter, a_s.stride(0), s2.stride(0), out.stride(0), res.stride(0), sg.stride(0), 1, 0.0, ids, topk_w,
+        TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=_ring_stages(h // BN * top_k, tiles, num_sms(dev)),
+        SPLIT=top_k, NORM_OUT=norm, NORM_IN=False,
+        S_PAD=1, num_warps=4, EXPERT_SHARES=True, **launch_args(aq, pdl))
     return out, sg, ss

@@ -136,7 +136,8 @@ def test_ring_plan_rule():
     assert ring_plan(128, 128 * 64, 1)[1] == MAX_STAGES
 
 
-def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: bool, pdl: bool = True):
+def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: bool, pdl: bool = True,
+                  strips: int = 0, shares: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -151,9 +152,9 @@ def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: 
                 res_ptr="*bf16", g_ptr="*bf16", sg_ptr="*bf16", ss_ptr="*fp32", ss_in_ptr="*fp32")
     ints = ("M", "N", "K", "stride_xs", "stride_ws", "stride_om", "stride_rm", "stride_gm", "in_strips")
     consts = dict(TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=stages, SPLIT=split, NORM_OUT=norm_out,
-                  NORM_IN=norm_in, S_PAD=32, PDL=pdl, num_warps=4)
+                  NORM_IN=norm_in, S_PAD=32, PDL=pdl, num_warps=4, EXPERT_STRIPS=strips, EXPERT_SHARES=shares)
     sig = {"w_desc": _w_desc(w).__mangle__(), "x_desc": x_desc.__mangle__(), **ptrs, **{n: "i32" for n in ints},
-           "eps": "fp32", **{n: "constexpr" for n in consts}}
+           "eps": "fp32", "ids_ptr": "*i32", "topk_w_ptr": "*fp32", **{n: "constexpr" for n in consts}}
     return triton.compile(GluonASTSource(_fp8_tma_ring_kernel, sig, constexprs=consts),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
@@ -174,6 +175,23 @@ def test_ring_compiles_with_its_first_stages_before_the_wait(tiles, stages, spli
     assert ("atom.global" in ptx or "atom.acq_rel" in ptx) == (split > 1)
     assert ("rsqrt" in ptx) == norm_in
     assert compiled.metadata.shared * per_sm <= 227 * 1024
+
+
+@pytest.mark.parametrize("strips,shares", [(12, False), (0, True)])
+def test_ring_experts_read_their_expert_before_the_wait(strips, shares):
+    """The routed experts' modes (Qwen3-30B-A3B's w13 strips, 12 an expert, 8 tiles a program; its w2, a K share
+    of 6 tiles a pair): the expert id is loaded and the first stages' weight tiles requested before the PDL wait
+    (the ids come from a launch two back); only the shares mode reads the pair's routing weight."""
+    compiled = _compile_ring(8 if strips else 6, 6, 2 if strips else 8, shares, bool(strips), strips=strips,
+                             shares=shares)
+    ptx = compiled.asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    copies = [i for i in range(len(ptx)) if ptx.startswith("cp.async.bulk.tensor", i)]
+    assert sum(c < wait for c in copies) == 6
+    loads = [i for i in range(len(ptx)) if ptx.startswith("ld.global", i)]
+    assert loads and loads[0] < copies[0]  # the expert id, ahead of the first weight copy
+    plain = _compile_ring(8 if strips else 6, 6, 2 if strips else 8, shares, bool(strips)).asm["ptx"]
+    assert plain.count("ld.global") + 1 + shares == ptx.count("ld.global")  # the id (and the routing weight)
 
 
 def test_ring_takes_rows_quantized_ahead_where_the_o_gemm_does_not(monkeypatch):
@@ -231,6 +249,52 @@ def test_ring_matches_reference_gpu(m, n, k, mode):
             assert torch.allclose(sg.float(), (sf * gamma.float()).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
             assert ss.shape == (16, n // 128) and not ss[m:].any()
             assert torch.allclose(ss[:m].sum(1), (sf * sf).sum(1), rtol=1e-3)
+    assert not tickets(x.device).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e,h,inter,top_k", [(128, 2048, 768, 8), (16, 2048, 768, 8), (8, 256, 256, 2)])
+@pytest.mark.parametrize("mode", ["plain", "norm_in", "norm_out"])
+def test_ring_experts_match_reference_gpu(e, h, inter, top_k, mode):
+    """kernels.moe.routed_experts for one token on the ring form (Qwen3-30B-A3B's expert shapes and smaller)
+    against the FP8 experts' reference (routing in torch, each expert GEMM dequantize-then-matmul on rows quantized
+    as the kernels quantize them); with the pending norm's consumer side (x = s * gamma, its 1/rms from ss, here
+    exactly 1/2, so the reference quantizes the same codes) and its producer side (the sum plus the residual, sg,
+    ss)."""
+    g, _, _, _ = hopper_block_case(1, 128, 128)
+    from tandem.kernels.fp8 import fused_experts_fp8_ref, quantize_weight, ring_experts
+    from tandem.kernels.moe import routed_experts, topk_routing_ref
+    from tandem.kernels.triton.device import tickets
+    dev = "cuda"
+    w13, s13 = quantize_weight(torch.randn(e * 2 * inter, h, device=dev, generator=g) * 0.05, block=(128, 128))
+    w2, s2 = quantize_weight(torch.randn(e * h, inter, device=dev, generator=g) * 0.05, block=(128, 128))
+    w13, s13, w2, s2 = (t.view(e, -1, t.shape[-1]) for t in (w13, s13, w2, s2))
+    scales = (s13, s2, (128, 128))
+    x = torch.randn(1, h, device=dev, dtype=torch.bfloat16, generator=g)
+    logits = torch.randn(1, e, device=dev, dtype=torch.bfloat16, generator=g)
+    assert ring_experts(x, w13, w2, scales, top_k)
+    weights, ids = topk_routing_ref(logits, top_k, True)
+    kw, x_in = {}, x
+    if mode == "norm_in":  # sums of squares giving 1/rms = 1/2: the normed row's fp8 codes are sg's, halved
+        ss = torch.zeros(16, h // 128, device=dev)
+        ss[0] = 4 * 128 * torch.rand(h // 128, device=dev, generator=g).softmax(0) * (h // 128)
+        x_in, kw = x, dict(norm_in=(ss, 0.0))
+        x = x * 0.5
+    ref = fused_experts_fp8_ref(x, w13, s13, w2, s2, weights, ids, (128, 128)).float()
+    res = torch.randn(1, h, device=dev, dtype=torch.bfloat16, generator=g)
+    gamma_out = torch.randn(h, device=dev, dtype=torch.bfloat16, generator=g)
+    if mode == "norm_out":
+        kw = dict(norm_out=(res, gamma_out))
+        ref = (ref + res.float()).to(torch.bfloat16).float()
+    for _ in range(2):  # twice: the tickets are back to zero after a launch
+        got = routed_experts(x_in, logits, w13, w2, top_k, True, scales=scales, **kw)
+        out = got[0] if mode == "norm_out" else got
+        assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
+        if mode == "norm_out":
+            sf = out.float()
+            assert torch.allclose(got[1].float(), (sf * gamma_out.float()).to(torch.bfloat16).float(), rtol=1e-2,
+                                  atol=1e-2)
+            assert got[2].shape == (16, h // 128) and torch.allclose(got[2][0].sum(), (sf * sf).sum(), rtol=1e-3)
     assert not tickets(x.device).any()
 
 
