@@ -177,7 +177,10 @@ class RoutedExperts:
 
     def counts(self, rows: int, layers: int) -> list[int]:
         """Distinct experts each of the last `layers` router outputs captured at `rows` rows picks
-        (softmax routing: the top-k of the logits), as the last replay left them."""
+        (softmax routing: the top-k of the logits), as the last replay left them. One row picks top-k
+        (kernels/triton/routing.py route_token makes its logits inside a kernel, no router output)."""
+        if rows == 1:
+            return [self.top_k] * layers
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # (the last replay may still run: async scheduling)
         kept = self.logits.get(rows, [])

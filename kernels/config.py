@@ -69,5 +69,8 @@ class KernelConfig:
         "block-scaled (128, 128)) on the ring form instead of the W8A16 expert kernels: a routing launch, the "
         "row quantized, w13 over the top-k experts' strips side by side, the SiLU-and-mul quantizing, w2 with a "
         "K share an expert (kernels/triton/fp8_tma.py fp8_tma_ring_experts)")})
+    fp8_tma_ring_moe_route: bool = field(default=True, metadata={"help": (
+        "those ring experts' router GEMM (a bf16 router weight), top-k and row quantization in one launch "
+        "(kernels/triton/routing.py route_token_triton) instead of three")})
 
 DEFAULT_KERNELS = KernelConfig()

@@ -331,20 +331,33 @@ def ring_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, scales: t
             and tuple(s13.shape) == (e, two_i // 128, h // 128) and tuple(s2.shape) == (e, h // 128, two_i // 256))
 
 
-def routed_experts_ring(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+def ring_router(x: torch.Tensor, gate: torch.Tensor, config: KernelConfig = DEFAULT_KERNELS) -> bool:
+    """Whether, where ring_experts holds, the ring's routing launch also runs x's router GEMM against the router
+    weight gate [E, K] (config.fp8_tma_ring_moe_route; routing.route_token_supports: a bf16/fp16 weight)."""
+    from tandem.kernels.triton.routing import route_token_supports
+    return config.fp8_tma_ring_moe_route and route_token_supports(x, gate)
+
+
+def routed_experts_ring(x: torch.Tensor, router_logits: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor,
                         top_k: int, renormalize: bool, scoring: str, norm_in: tuple | None, norm_out: tuple | None,
-                        scales: tuple, config: KernelConfig = DEFAULT_KERNELS):
-    """kernels.moe.routed_experts on the ring form (ring_experts): the routing launch, x's row quantized (not
-    early: the w13 launch after it reads the expert ids before its wait), then fp8_tma_ring_experts. norm_in /
-    norm_out as routed_experts takes them."""
-    from tandem.kernels.triton.fp8_skinny import quantize_rows_triton
+                        scales: tuple, config: KernelConfig = DEFAULT_KERNELS, gate: torch.Tensor | None = None):
+    """kernels.moe.routed_experts on the ring form (ring_experts), then fp8_tma_ring_experts. router_logits None
+    (ring_router): the router GEMM against gate, the top-k and x's row quantized in one launch
+    (route_token_triton), whose ids w13 waits for; else the routing launch, then x's row quantized (not early:
+    w13 reads the ids, complete by then, before its wait). norm_in / norm_out as routed_experts takes them."""
     from tandem.kernels.triton.fp8_tma import fp8_tma_ring_experts
-    from tandem.kernels.triton.routing import topk_routing_triton
-    weights, ids = topk_routing_triton(router_logits, top_k, renormalize, scoring, config.pdl)
-    xq, xs = quantize_rows_triton(x, w13.dtype, 128, config.pdl)
+    if router_logits is None:
+        from tandem.kernels.triton.routing import route_token_triton
+        weights, ids, xq, xs = route_token_triton(x, gate, top_k, renormalize, scoring, w13.dtype, norm_in, config.pdl)
+    else:
+        from tandem.kernels.triton.fp8_skinny import quantize_rows_triton
+        from tandem.kernels.triton.routing import topk_routing_triton
+        weights, ids = topk_routing_triton(router_logits, top_k, renormalize, scoring, config.pdl)
+        xq, xs = quantize_rows_triton(x, w13.dtype, 128, config.pdl)
     residual, norm_weight = norm_out if norm_out is not None else (None, None)
     out, sg, ss = fp8_tma_ring_experts(xq, xs, w13, scales[0], w2, scales[1], ids, weights, x.dtype, norm_in,
-                                       residual, norm_weight, config.pdl, config.fp8_tma_ring_early)
+                                       residual, norm_weight, config.pdl, config.fp8_tma_ring_early,
+                                       ids_late=router_logits is None)
     return (out, sg, ss) if norm_out is not None else out
 
 

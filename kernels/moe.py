@@ -66,7 +66,7 @@ def routed_experts(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
     renormalize: bool, scoring: str = "softmax", norm_in: tuple[torch.Tensor, float] | None = None,
     norm_out: tuple[torch.Tensor, torch.Tensor] | None = None, config: KernelConfig = DEFAULT_KERNELS,
-    scales: tuple | None = None,
+    scales: tuple | None = None, gate: torch.Tensor | None = None,
 ):
     """topk_routing then fused_experts, every expert held here (no expert parallelism); on a GPU
     at decode sizes the routing happens inside the first expert GEMM. GPU only: norm_in = (ss,
@@ -74,12 +74,13 @@ def routed_experts(
     ss) of the next norm left pending (kernels.linear.PendingNorm). scales = (w13_scale,
     w2_scale, block): fp8 experts (kernels/fp8.py layouts) on the same kernels, their weights
     converted to x's dtype (W8A16), or for one token on a Hopper GPU the TMA ring (kernels.fp8.ring_experts);
-    the reference multiplies the dequantized weights."""
+    the reference multiplies the dequantized weights. router_logits None: gate, the router weight, whose GEMM
+    the ring's routing launch runs (kernels.fp8.ring_router; the caller checked it)."""
     if use_triton(x):
         from tandem.kernels.fp8 import ring_experts, routed_experts_ring
         if scales is not None and ring_experts(x, w13, w2, scales, top_k, config):
             return routed_experts_ring(x, router_logits, w13, w2, top_k, renormalize, scoring, norm_in, norm_out,
-                                       scales, config)
+                                       scales, config, gate)
         from tandem.kernels.triton.moe import routed_experts_triton
         return routed_experts_triton(x, router_logits, w13, w2, top_k, renormalize, scoring, norm_in, norm_out,
                                      config.pdl, scales, config.fp8_int_convert)

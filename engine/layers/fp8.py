@@ -25,7 +25,7 @@ from tandem.engine.layers.norm import DeferredOutput
 from tandem.kernels.ep import NoDispatch
 from tandem.kernels.fp8 import (E4M3, QuantRows, e4m3fn_to_fnuz, fp8_decode_rows, fp8_dtype, fp8_linear,
                                fp8_linear_add_norm, fp8_linear_normed, fused_experts_fp8, quant_ahead, quantize_weight,
-                               tma_early)
+                               ring_experts, ring_router, tma_early)
 from tandem.kernels.linear import PendingNorm
 
 logger = logging.getLogger(__name__)
@@ -227,6 +227,15 @@ class Fp8FusedMoE:
         rows = x.sg if isinstance(x, PendingNorm) else x
         return isinstance(self.dispatcher, NoDispatch) and fp8_decode_rows(rows, self.fp8_block, self.kernels,
                                                                            moe=True) > 0
+
+    def _gate_in_experts(self, x: torch.Tensor | PendingNorm) -> torch.Tensor | None:
+        rows = x.sg if isinstance(x, PendingNorm) else x
+        w = self.gate.weight
+        if (self.gate.bias is None and self._routed_here(x)
+                and ring_experts(rows, self.w13, self.w2, self._expert_scales, self.top_k, self.kernels)
+                and ring_router(rows, w, self.kernels)):
+            return w
+        return None
 
     @property
     def _expert_scales(self) -> tuple:

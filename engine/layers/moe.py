@@ -108,7 +108,8 @@ class FusedMoE(nn.Module):
         output is a DeferredOutput: the RMSNorm after it may have the experts add the residual
         and leave that norm pending (on a GPU at decode sizes; engine/layers/norm.py)."""
         pending = isinstance(x, PendingNorm)
-        logits = self.gate(x)
+        gate = self._gate_in_experts(x)
+        logits = self.gate(x) if gate is None else None
         if not self._routed_here(x):
             h = x.normed(self.kernels) if pending else x
             weights, ids = topk_routing(logits, self.top_k, self.renormalize, self.scoring, self.kernels)
@@ -117,13 +118,18 @@ class FusedMoE(nn.Module):
             return tp_all_reduce(self.dispatcher.combine(y, handle))
         # all experts here: routing and experts in one call (on a GPU at decode sizes the first
         # expert GEMM ranks the experts itself)
-        return DeferredOutput(lambda: tp_all_reduce(self._routed(x, logits)),
-                              lambda residual, norm: self._routed_add_norm(x, logits, residual, norm))
+        return DeferredOutput(lambda: tp_all_reduce(self._routed(x, logits, gate=gate)),
+                              lambda residual, norm: self._routed_add_norm(x, logits, residual, norm, gate))
 
     def _routed_here(self, x: torch.Tensor | PendingNorm) -> bool:
         """Whether routing and experts run as one routed_experts call (every expert here, the
         Triton experts)."""
         return self.experts is fused_experts and isinstance(self.dispatcher, NoDispatch)
+
+    def _gate_in_experts(self, x: torch.Tensor | PendingNorm) -> torch.Tensor | None:
+        """The router weight where the routed experts run the router GEMM themselves (FP8 experts on the ring:
+        kernels.fp8.ring_router), else None."""
+        return None
 
     @property
     def _expert_scales(self) -> tuple | None:
@@ -133,16 +139,17 @@ class FusedMoE(nn.Module):
     def _experts_args(self) -> dict:
         return dict(config=self.kernels) if self.experts is fused_experts else {}
 
-    def _routed(self, x: torch.Tensor | PendingNorm, logits: torch.Tensor, norm_out: tuple | None = None):
+    def _routed(self, x: torch.Tensor | PendingNorm, logits: torch.Tensor | None, norm_out: tuple | None = None,
+                gate: torch.Tensor | None = None):
         pending = isinstance(x, PendingNorm)
         return routed_experts(x.sg if pending else x, logits, self.w13, self.w2, self.top_k, self.renormalize,
                               self.scoring, (x.ss, x.eps) if pending else None, norm_out, self.kernels,
-                              self._expert_scales)
+                              self._expert_scales, gate)
 
-    def _routed_add_norm(self, x: torch.Tensor | PendingNorm, logits: torch.Tensor, residual: torch.Tensor,
-                         norm: RMSNorm) -> PendingNorm | None:
+    def _routed_add_norm(self, x: torch.Tensor | PendingNorm, logits: torch.Tensor | None, residual: torch.Tensor,
+                         norm: RMSNorm, gate: torch.Tensor | None = None) -> PendingNorm | None:
         """The experts' output plus the residual with `norm` left pending, or None (nothing run)
         where that does not apply (tensor parallel: the all-reduce comes first; no GPU; more rows)."""
         if not (tp_size() == 1 and can_pend(x.sg if isinstance(x, PendingNorm) else x, self.kernels)):
             return None
-        return PendingNorm(*self._routed(x, logits, (residual, norm.weight)), norm.weight, norm.eps)
+        return PendingNorm(*self._routed(x, logits, (residual, norm.weight), gate), norm.weight, norm.eps)

@@ -147,7 +147,8 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
                          ids_ptr, topk_w_ptr,
                          TILES: gl.constexpr, T_PAD: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
                          NORM_OUT: gl.constexpr, NORM_IN: gl.constexpr, S_PAD: gl.constexpr, PDL: gl.constexpr,
-                         num_warps: gl.constexpr, EXPERT_STRIPS: gl.constexpr = 0, EXPERT_SHARES: gl.constexpr = False):
+                         num_warps: gl.constexpr, EXPERT_STRIPS: gl.constexpr = 0, EXPERT_SHARES: gl.constexpr = False,
+                         EXPERT_LATE: gl.constexpr = False):
     """The ring form (fp8_tma_ring_linear): x quantized ahead (fp8 rows by TMA, their scales xs [M, K / 128]),
     TILES K tiles a program through STAGES shared-memory stages of a weight tile and its x tile, one mbarrier a
     stage; the first STAGES weight tiles requested before the wait, a stage refilled with the tile STAGES ahead
@@ -158,7 +159,8 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     128, K / 128]; ids_ptr the token's top-k expert ids, complete before this launch, so read before the wait):
     EXPERT_STRIPS = S (w13): strip pid_n is strip pid_n % S of expert ids[pid_n // S], out [1, top_k * S * 128]
     the pairs' rows side by side. EXPERT_SHARES (w2, SPLIT = top_k): K share pid_k is all of expert ids[pid_k]'s K
-    over x row pid_k (the pair's activation), its scales times topk_w[pid_k]: the split-K sum is the top-k sum."""
+    over x row pid_k (the pair's activation), its scales times topk_w[pid_k]: the split-K sum is the top-k sum.
+    EXPERT_LATE: the ids come from the launch just ahead, so the id and the first stages wait for it."""
     BN_: gl.constexpr = w_desc.block_type.shape[0]
     BK_: gl.constexpr = w_desc.block_type.shape[1]
     BM_: gl.constexpr = x_desc.block_type.shape[0]
@@ -169,6 +171,9 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     w_row = pid_n  # the strip's row block in the weight, its first K tile there and in x, x's first row
     wk0 = kb0
     x_row = 0
+    if PDL and EXPERT_LATE:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if EXPERT_STRIPS > 0:
         w_row = gl.load(ids_ptr + pid_n // EXPERT_STRIPS) * EXPERT_STRIPS + pid_n % EXPERT_STRIPS
     if EXPERT_SHARES:
@@ -197,7 +202,7 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     g = gl.zeros([BN_], gl.float32, gl.SliceLayout(1, mma))
     if NORM_OUT:
         g = gl.load(g_ptr + rn, mask=rn < N, other=0.0).to(gl.float32)
-    if PDL:  # (kernels/triton/pdl.py's wait_previous)
+    if PDL and not EXPERT_LATE:  # (kernels/triton/pdl.py's wait_previous)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -435,11 +440,13 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
                          w2: torch.Tensor, w2_scale: torch.Tensor, ids: torch.Tensor, topk_w: torch.Tensor,
                          dtype: torch.dtype, norm_in: tuple[torch.Tensor, float] | None = None,
                          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                         pdl: bool = True, early: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         pdl: bool = True, early: bool = True, ids_late: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token's routed experts on the ring form, every expert held here (ring_experts_supports): xq [1, H] e4m3
     and xs [1, H / 128] its row quantized ahead (norm_in: a pending norm's sg, as fp8_tma_ring_linear takes it);
     w13 [E, 2I, H], w2 [E, H, I] e4m3 with scales [E, 2I / 128, H / 128], [E, H / 128, I / 128]; ids [1, k] int32,
-    topk_w [1, k] float32 from a launch before the one ahead of this (read before the wait). Three launches: w13
+    topk_w [1, k] float32 from a launch before the one ahead of this (read before the wait; ids_late: from the
+    launch just ahead, which w13 then waits for before it reads them: EXPERT_LATE). Three launches: w13
     for the k pairs' strips side by side (EXPERT_STRIPS), the SiLU-and-mul writing each pair's activation quantized
     (early: letting w2 in before its wait), w2 with a K share a pair (EXPERT_SHARES) whose split-K sum is the
     top-k sum. -> (out [1, H] in dtype, sg, ss) as fp8_tma_ring_linear (residual and norm_weight: NORM_OUT)."""
@@ -461,7 +468,7 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
         ss_in.shape[1] if norm_in else 1, eps, ids, topk_w, TILES=tiles, T_PAD=triton.next_power_of_2(tiles),
         STAGES=min(stages, tiles), SPLIT=split, NORM_OUT=False, NORM_IN=norm_in is not None,
         S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in else 1, num_warps=4, EXPERT_STRIPS=two_i // BN,
-        **launch_args(xq, pdl))
+        EXPERT_LATE=ids_late, **launch_args(xq, pdl))
     aq, a_s = silu_and_mul_quant_triton(gate_up.view(top_k, two_i), xq.dtype, BK, pdl, early=early)
     norm = residual is not None
     out = torch.empty(1, h, device=dev, dtype=dtype)

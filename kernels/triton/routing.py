@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.triton.fp8_skinny import _quant_tile
 from tandem.kernels.triton.pdl import launch_args, wait_previous
 
 
@@ -100,3 +101,90 @@ def topk_routing_triton(
             SOFTMAX=scoring == "softmax", RENORMALIZE=renormalize, num_warps=4, **launch_args(logits, pdl),
         )
     return weights, ids
+
+
+@triton.jit
+def _route_token_kernel(x_ptr, gate_ptr, ss_in_ptr, in_strips, eps, logits_ptr, ticket_ptr, weights_ptr, ids_ptr,
+                        q_ptr, qs_ptr, num_experts, K, G, fp8_max, router_programs,
+                        EB: tl.constexpr, K_BLOCK: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                        E_PAD: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
+                        NORM_IN: tl.constexpr, S_PAD: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+                        PDL: tl.constexpr):
+    """One token's router GEMM, top-k and quantized row in one launch (route_token_triton). Programs below
+    router_programs: EB experts' logits each (their router weight rows loaded before the wait), rounded to the
+    logits' dtype (the router GEMM's output), then a ticket: the last of them ranks all the logits as
+    _topk_routing_kernel does. The others: GROUPS groups of GROUP columns of x quantized (_quant_tile)."""
+    pid = tl.program_id(0)
+    kk = tl.arange(0, K_BLOCK)
+    if pid < router_programs:
+        e = pid * EB + tl.arange(0, EB)
+        w = tl.load(gate_ptr + e[:, None].to(tl.int64) * K + kk[None, :],
+                    mask=(e < num_experts)[:, None] & (kk < K)[None, :], other=0.0)
+        wait_previous(PDL)
+        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if NORM_IN:  # x is a pending norm's s * weight: its 1/rms (kernels/triton/linear.py pending_rstd)
+            sp = tl.arange(0, S_PAD)
+            acc *= tl.rsqrt(tl.sum(tl.load(ss_in_ptr + sp, mask=sp < in_strips, other=0.0), axis=0) / K + eps)
+        tl.store(logits_ptr + e, acc.to(x_ptr.dtype.element_ty).to(tl.float32), mask=e < num_experts)
+        tl.debug_barrier()  # every thread's logits are written before the ticket is taken
+        if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == router_programs - 1:
+            ex = tl.arange(0, E_PAD)
+            lg = tl.load(logits_ptr + ex[None, :], mask=(ex < num_experts)[None, :], other=float("-inf"),
+                         cache_modifier=".cg")
+            top_w, top_id = topk_of_rows(lg, ex, ex < num_experts, TOP_K, K_PAD, E_PAD, SOFTMAX, RENORMALIZE)
+            k = tl.arange(0, K_PAD)[None, :]
+            tl.store(weights_ptr + k, top_w, mask=k < TOP_K)
+            tl.store(ids_ptr + k, top_id, mask=k < TOP_K)
+            tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
+    else:
+        wait_previous(PDL)
+        gi = (pid - router_programs) * GROUPS + tl.arange(0, GROUPS)
+        cols = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        mask = (cols < K) & (gi < G)[:, None]
+        q, s = _quant_tile(tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32), fp8_max, q_ptr.dtype.element_ty)
+        tl.store(qs_ptr + gi, s, mask=gi < G)
+        tl.store(q_ptr + cols, q, mask=mask)
+
+
+ROUTE_TOKEN_ELEMENTS = 16384  # router weight elements a program holds (EB rows of the padded K)
+
+
+def route_token_supports(x: torch.Tensor, gate: torch.Tensor) -> bool:
+    """Whether route_token_triton takes x [1, K] against the router weight gate [E, K]: bf16/fp16 both, K within
+    ROUTE_TOKEN_ELEMENTS, K a multiple of 128."""
+    return (x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and gate.dtype == x.dtype
+            and gate.shape[1] == x.shape[1] and x.shape[1] % 128 == 0
+            and triton.next_power_of_2(x.shape[1]) <= ROUTE_TOKEN_ELEMENTS)
+
+
+def route_token_triton(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool, scoring: str,
+                       q_dtype: torch.dtype, norm_in: tuple[torch.Tensor, float] | None = None, pdl: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token's x [1, K] (route_token_supports) -> (topk_weights [1, k] float32, topk_ids [1, k] int32, q [1,
+    K] q_dtype, s [1, K / 128] float32): the router GEMM x @ gate.T (norm_in = (ss, eps): x is a pending norm's
+    s * weight, the logits scaled by its 1/rms), ranked as topk_routing_triton ranks them, and x quantized in
+    groups of 128 as quantize_rows_triton does, in one launch."""
+    num_experts, k = gate.shape
+    check_routing(gate.t(), top_k, scoring)
+    k_block = triton.next_power_of_2(k)
+    eb = max(1, min(ROUTE_TOKEN_ELEMENTS // k_block, triton.next_power_of_2(num_experts)))
+    programs = triton.cdiv(num_experts, eb)
+    groups, g = 1024 // 128, k // 128
+    dev = x.device
+    logits = torch.empty(num_experts, device=dev, dtype=torch.float32)
+    weights = torch.empty(1, top_k, device=dev, dtype=torch.float32)
+    ids = torch.empty(1, top_k, device=dev, dtype=torch.int32)
+    q = torch.empty(1, k, device=dev, dtype=q_dtype)
+    qs = torch.empty(1, g, device=dev, dtype=torch.float32)
+    ss_in, eps = norm_in if norm_in is not None else (logits, 0.0)
+    in_strips = ss_in.shape[1] if norm_in is not None else 1
+    from tandem.kernels.triton.device import tickets
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    _route_token_kernel[(programs + triton.cdiv(g, groups),)](
+        x, gate, ss_in, in_strips, eps, logits, tickets(dev), weights, ids, q, qs, num_experts, k, g,
+        float(torch.finfo(q_dtype).max), programs, EB=eb, K_BLOCK=k_block, TOP_K=top_k,
+        K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts), SOFTMAX=scoring == "softmax",
+        RENORMALIZE=renormalize, NORM_IN=norm_in is not None, S_PAD=triton.next_power_of_2(in_strips), GROUP=128,
+        GROUPS=groups, num_warps=4, **launch_args(x, pdl))
+    return weights, ids, q, qs

@@ -51,6 +51,8 @@ def test_counts_the_distinct_experts_the_routers_pick(monkeypatch):
     assert counts == want and all(TINY["num_experts_per_tok"] <= c <= TINY["num_experts"] for c in counts)
     with pytest.raises(RuntimeError, match="router outputs captured"):
         routed.counts(rows + 1000, TINY["num_hidden_layers"])
+    # one token picks its top-k, router output or not (route_token's logits stay in its kernel)
+    assert roofline.RoutedExperts(TINY["num_experts"], 2).counts(1, 3) == [2, 2, 2]
     # the floor's weight bytes grow with the experts counted, from one token's top-k up to all of them
     runner = llm.engine.runner
     one, counted, every = (roofline.param_bytes(runner, e) for e in

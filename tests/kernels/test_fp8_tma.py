@@ -137,7 +137,7 @@ def test_ring_plan_rule():
 
 
 def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: bool, pdl: bool = True,
-                  strips: int = 0, shares: bool = False):
+                  strips: int = 0, shares: bool = False, late: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -152,7 +152,8 @@ def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: 
                 res_ptr="*bf16", g_ptr="*bf16", sg_ptr="*bf16", ss_ptr="*fp32", ss_in_ptr="*fp32")
     ints = ("M", "N", "K", "stride_xs", "stride_ws", "stride_om", "stride_rm", "stride_gm", "in_strips")
     consts = dict(TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=stages, SPLIT=split, NORM_OUT=norm_out,
-                  NORM_IN=norm_in, S_PAD=32, PDL=pdl, num_warps=4, EXPERT_STRIPS=strips, EXPERT_SHARES=shares)
+                  NORM_IN=norm_in, S_PAD=32, PDL=pdl, num_warps=4, EXPERT_STRIPS=strips, EXPERT_SHARES=shares,
+                  EXPERT_LATE=late)
     sig = {"w_desc": _w_desc(w).__mangle__(), "x_desc": x_desc.__mangle__(), **ptrs, **{n: "i32" for n in ints},
            "eps": "fp32", "ids_ptr": "*i32", "topk_w_ptr": "*fp32", **{n: "constexpr" for n in consts}}
     return triton.compile(GluonASTSource(_fp8_tma_ring_kernel, sig, constexprs=consts),
@@ -192,6 +193,16 @@ def test_ring_experts_read_their_expert_before_the_wait(strips, shares):
     assert loads and loads[0] < copies[0]  # the expert id, ahead of the first weight copy
     plain = _compile_ring(8 if strips else 6, 6, 2 if strips else 8, shares, bool(strips)).asm["ptx"]
     assert plain.count("ld.global") + 1 + shares == ptx.count("ld.global")  # the id (and the routing weight)
+
+
+def test_ring_experts_late_read_their_expert_after_the_wait():
+    """EXPERT_LATE (the ids from the launch just ahead: route_token_triton's): the id and every weight copy after
+    the PDL wait."""
+    ptx = _compile_ring(8, 6, 2, False, True, strips=12, late=True).asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    loads = [i for i in range(len(ptx)) if ptx.startswith("ld.global", i)]
+    assert ptx.count("griddepcontrol.wait") == 1 and wait < min(loads)
+    assert wait < ptx.index("cp.async.bulk.tensor")
 
 
 def test_ring_takes_rows_quantized_ahead_where_the_o_gemm_does_not(monkeypatch):
