@@ -314,6 +314,37 @@ def test_topk_routing(experts, top_k, num_tokens, scoring, renormalize):
     assert (ids.sort(1).values.diff(dim=1) > 0).all()  # no expert twice
 
 
+@pytest.mark.parametrize("experts,k,top_k", [(128, 2048, 8), (60, 1024, 4)])
+@pytest.mark.parametrize("pending_norm", [False, True])
+def test_route_token_matches_router_topk_and_quant(experts, k, top_k, pending_norm):
+    """route_token_triton (one token's router GEMM, top-k and row quantized to e4m3 in one launch) against the
+    bf16 router GEMM, topk_routing_ref and quantize_rows; twice, the second call on the ticket the first put back."""
+    from tandem.kernels.fp8 import quantize_rows
+    from tandem.kernels.triton.routing import route_token_triton
+    torch.manual_seed(experts + pending_norm)
+    x = torch.randn(1, k, device=DEVICE).to(torch.bfloat16)
+    gate = (torch.randn(experts, k, device=DEVICE) / k**0.5).to(torch.bfloat16)
+    norm_in, scale = None, 1.0
+    if pending_norm:  # x is s * weight of a norm whose 1/rms the kernel applies to the logits
+        ss = torch.zeros(16, k // 128, device=DEVICE)
+        ss[0] = torch.rand(k // 128, device=DEVICE) * k
+        norm_in, scale = (ss, 1e-6), torch.rsqrt(ss[0].sum() / k + 1e-6).item()
+    for _ in range(2):
+        w, ids, q, qs = route_token_triton(x, gate, top_k, True, "softmax", torch.float8_e4m3fn, norm_in)
+        logits = ((x.float() @ gate.float().t()) * scale).to(torch.bfloat16)
+        w_ref, ids_ref = topk_routing_ref(logits, top_k, True, "softmax")
+        # the kernel's fp32 sums may round to the neighbouring bf16 logit: the chosen experts' reference
+        # scores are the top-k up to that rounding, and the weights follow
+        scores = logits.float()[0]
+        assert ids.dtype == torch.int32 and len(set(ids[0].tolist())) == top_k
+        assert scores[ids[0].long()].min() >= scores.topk(top_k).values.min() - 2e-2 * scores.abs().max()
+        assert _rel(w.sort(1).values, w_ref.sort(1).values) < 2e-2
+        q_ref, qs_ref = quantize_rows(x, torch.float8_e4m3fn, 128)
+        assert torch.allclose(qs, qs_ref, rtol=1e-6)
+        assert (q.float() != q_ref.float()).float().mean() < 1e-3  # (x / s against x * (1 / s): a rare ulp)
+        assert _rel(q.float(), q_ref.float()) < 1e-2
+
+
 @pytest.mark.parametrize("shape", [(1, 2 * 14336), (77, 2 * 768), (4, 3, 2 * 100)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(shape, dtype):
