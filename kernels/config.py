@@ -72,5 +72,8 @@ class KernelConfig:
     fp8_tma_ring_moe_route: bool = field(default=True, metadata={"help": (
         "those ring experts' router GEMM (a bf16 router weight), top-k and row quantization in one launch "
         "(kernels/triton/routing.py route_token_triton) instead of three")})
+    fp8_tma_ring_moe_silu: bool = field(default=True, metadata={"help": (
+        "those ring experts' w13 writes the SiLU-and-mul of each gate and up strip, quantized for w2, itself (the "
+        "last of their programs, a ticket) instead of gate_up for a launch of its own")})
 
 DEFAULT_KERNELS = KernelConfig()

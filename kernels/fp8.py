@@ -357,7 +357,7 @@ def routed_experts_ring(x: torch.Tensor, router_logits: torch.Tensor | None, w13
     residual, norm_weight = norm_out if norm_out is not None else (None, None)
     out, sg, ss = fp8_tma_ring_experts(xq, xs, w13, scales[0], w2, scales[1], ids, weights, x.dtype, norm_in,
                                        residual, norm_weight, config.pdl, config.fp8_tma_ring_early,
-                                       ids_late=router_logits is None)
+                                       ids_late=router_logits is None, silu_out=config.fp8_tma_ring_moe_silu)
     return (out, sg, ss) if norm_out is not None else out
 
 

@@ -75,10 +75,10 @@ def routed_experts(
     w2_scale, block): fp8 experts (kernels/fp8.py layouts) on the same kernels, their weights
     converted to x's dtype (W8A16), or for one token on a Hopper GPU the TMA ring (kernels.fp8.ring_experts);
     the reference multiplies the dequantized weights. router_logits None: gate, the router weight, whose GEMM
-    the ring's routing launch runs (kernels.fp8.ring_router; the caller checked it)."""
+    the ring's routing launch runs (the caller checked kernels.fp8.ring_experts and ring_router)."""
     if use_triton(x):
         from tandem.kernels.fp8 import ring_experts, routed_experts_ring
-        if scales is not None and ring_experts(x, w13, w2, scales, top_k, config):
+        if gate is not None or (scales is not None and ring_experts(x, w13, w2, scales, top_k, config)):
             return routed_experts_ring(x, router_logits, w13, w2, top_k, renormalize, scoring, norm_in, norm_out,
                                        scales, config, gate)
         from tandem.kernels.triton.moe import routed_experts_triton

@@ -148,7 +148,8 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
                          TILES: gl.constexpr, T_PAD: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
                          NORM_OUT: gl.constexpr, NORM_IN: gl.constexpr, S_PAD: gl.constexpr, PDL: gl.constexpr,
                          num_warps: gl.constexpr, EXPERT_STRIPS: gl.constexpr = 0, EXPERT_SHARES: gl.constexpr = False,
-                         EXPERT_LATE: gl.constexpr = False):
+                         EXPERT_LATE: gl.constexpr = False, SILU_OUT: gl.constexpr = False, aq_ptr=None, as_ptr=None,
+                         fp8_max=1.0):
     """The ring form (fp8_tma_ring_linear): x quantized ahead (fp8 rows by TMA, their scales xs [M, K / 128]),
     TILES K tiles a program through STAGES shared-memory stages of a weight tile and its x tile, one mbarrier a
     stage; the first STAGES weight tiles requested before the wait, a stage refilled with the tile STAGES ahead
@@ -160,7 +161,11 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     EXPERT_STRIPS = S (w13): strip pid_n is strip pid_n % S of expert ids[pid_n // S], out [1, top_k * S * 128]
     the pairs' rows side by side. EXPERT_SHARES (w2, SPLIT = top_k): K share pid_k is all of expert ids[pid_k]'s K
     over x row pid_k (the pair's activation), its scales times topk_w[pid_k]: the split-K sum is the top-k sum.
-    EXPERT_LATE: the ids come from the launch just ahead, so the id and the first stages wait for it."""
+    EXPERT_LATE: the ids come from the launch just ahead, so the id and the first stages wait for it.
+    SILU_OUT (w13, EXPERT_STRIPS): no gate_up out; each pair's activation silu(gate) * up quantized instead, as
+    kernels/triton/activation.py's silu_and_mul_quant_triton writes it (aq [top_k, I] fp8, as [top_k, I / 128]):
+    the 2 * SPLIT programs of a gate strip and its up strip write float32 partials and take one ticket, and the
+    last of them sums both, a 128-column group of the activation (_silu_out)."""
     BN_: gl.constexpr = w_desc.block_type.shape[0]
     BK_: gl.constexpr = w_desc.block_type.shape[1]
     BM_: gl.constexpr = x_desc.block_type.shape[0]
@@ -244,8 +249,48 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
         mbarrier.invalidate(bars.index(i))
     if NORM_IN:
         acc = acc * rstd[None, :]
-    _finish(acc, out_ptr, part_ptr, ticket_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, pid_k, N, stride_om,
-            stride_gm, SPLIT, NORM_OUT)
+    if SILU_OUT:
+        _silu_out(acc, part_ptr, ticket_ptr, aq_ptr, as_ptr, out_ptr, fp8_max, rm, rn, mask, pid_n, pid_k, M, N,
+                  EXPERT_STRIPS, SPLIT)
+    else:
+        _finish(acc, out_ptr, part_ptr, ticket_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, pid_k, N, stride_om,
+                stride_gm, SPLIT, NORM_OUT)
+
+
+@gluon.jit
+def _silu_out(acc, part_ptr, ticket_ptr, aq_ptr, as_ptr, out_ptr, fp8_max, rm, rn, mask, pid_n, pid_k, M, N,
+              STRIPS: gl.constexpr, SPLIT: gl.constexpr):
+    """SILU_OUT's epilogue: acc [BN, BM] is strip pid_n's K share pid_k (STRIPS strips a pair: its gate's, then its
+    up's). The partial goes to part [SPLIT, BM, N]; the last of the 2 * SPLIT programs of gate strip j and up strip
+    j + STRIPS / 2 sums both (each rounded to the output dtype, as gate_up would hold them), and writes silu(gate)
+    * up rounded, quantized as one group of 128 columns: aq[pair, j * 128 + c], as[pair, j]."""
+    BN_: gl.constexpr = acc.shape[0]
+    BM_: gl.constexpr = acc.shape[1]
+    HALF: gl.constexpr = STRIPS // 2
+    gl.store(part_ptr + (pid_k * BM_ + rm[None, :]) * N + rn[:, None], acc, mask=mask)
+    CTA_BARRIER()  # every thread's partial is written before the ticket is taken
+    pair = pid_n // STRIPS
+    j = pid_n % STRIPS % HALF
+    ticket = ticket_ptr + pair * HALF + j
+    if gl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == 2 * SPLIT - 1:
+        rr = rn - pid_n * BN_  # the strip's rows 0..BN-1
+        g0 = (pair * STRIPS + j) * BN_
+        ok = (rm < M)[None, :] & (rr < BN_)[:, None]
+        gate = gl.zeros_like(acc)
+        up = gl.zeros_like(acc)
+        for sp in gl.static_range(SPLIT):
+            rows = part_ptr + (sp * BM_ + rm[None, :]) * N + g0 + rr[:, None]
+            gate += gl.load(rows, mask=ok, other=0.0, cache_modifier=".cg")
+            up += gl.load(rows + HALF * BN_, mask=ok, other=0.0, cache_modifier=".cg")
+        dt: gl.constexpr = out_ptr.dtype.element_ty
+        gate = gate.to(dt).to(gl.float32)
+        act = (gate / (1.0 + gl.exp(-gate))).to(dt).to(gl.float32)  # silu rounded first, as the reference
+        y = gl.where(ok, (act * up.to(dt).to(gl.float32)).to(dt).to(gl.float32), 0.0)
+        s = gl.maximum(gl.max(gl.abs(y), axis=0) / fp8_max, 1e-12)
+        q = gl.minimum(gl.maximum(y / s[None, :], -fp8_max), fp8_max).to(aq_ptr.dtype.element_ty)
+        gl.store(aq_ptr + pair * (HALF * BN_) + j * BN_ + rr[:, None] + rm[None, :] * 0, q, mask=ok)
+        gl.store(as_ptr + pair * HALF + j + rm * 0, s, mask=rm < M)
+        gl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
 
 
 @gluon.jit
@@ -440,16 +485,19 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
                          w2: torch.Tensor, w2_scale: torch.Tensor, ids: torch.Tensor, topk_w: torch.Tensor,
                          dtype: torch.dtype, norm_in: tuple[torch.Tensor, float] | None = None,
                          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                         pdl: bool = True, early: bool = True, ids_late: bool = False
+                         pdl: bool = True, early: bool = True, ids_late: bool = False, silu_out: bool = True
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token's routed experts on the ring form, every expert held here (ring_experts_supports): xq [1, H] e4m3
     and xs [1, H / 128] its row quantized ahead (norm_in: a pending norm's sg, as fp8_tma_ring_linear takes it);
     w13 [E, 2I, H], w2 [E, H, I] e4m3 with scales [E, 2I / 128, H / 128], [E, H / 128, I / 128]; ids [1, k] int32,
     topk_w [1, k] float32 from a launch before the one ahead of this (read before the wait; ids_late: from the
-    launch just ahead, which w13 then waits for before it reads them: EXPERT_LATE). Three launches: w13
-    for the k pairs' strips side by side (EXPERT_STRIPS), the SiLU-and-mul writing each pair's activation quantized
-    (early: letting w2 in before its wait), w2 with a K share a pair (EXPERT_SHARES) whose split-K sum is the
-    top-k sum. -> (out [1, H] in dtype, sg, ss) as fp8_tma_ring_linear (residual and norm_weight: NORM_OUT)."""
+    launch just ahead, which w13 then waits for before it reads them: EXPERT_LATE). Two launches: w13 for the k
+    pairs' strips side by side (EXPERT_STRIPS) writing each pair's activation silu(gate) * up quantized (SILU_OUT),
+    then w2 with a K share a pair (EXPERT_SHARES) whose split-K sum is the top-k sum. silu_out False
+    (KernelConfig.fp8_tma_ring_moe_silu off): w13 writes gate_up and the SiLU-and-mul is a launch between (early:
+    letting w2 in before its wait). On an H200 the fused form took the Qwen3-30B-A3B b=1 step from 2.105 to 2.087
+    ms (benchmarks/RESULTS.md). -> (out [1, H] in dtype, sg, ss) as fp8_tma_ring_linear (residual and norm_weight:
+    NORM_OUT)."""
     from tandem.kernels.triton.activation import silu_and_mul_quant_triton
     e, two_i, h = w13.shape
     inter, top_k = two_i // 2, ids.shape[-1]
@@ -457,8 +505,10 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
     ids, topk_w = ids.reshape(-1).contiguous(), topk_w.reshape(-1).contiguous()
     n1 = top_k * two_i
     split, stages = ring_plan(n1, h, num_sms(dev))
-    gate_up = torch.empty(1, n1, device=dev, dtype=dtype)
-    part = torch.empty(split, BM, n1, device=dev, dtype=torch.float32) if split > 1 else gate_up
+    gate_up = torch.empty(1, 1 if silu_out else n1, device=dev, dtype=dtype)  # (its dtype only, with silu_out)
+    part = torch.empty(split, BM, n1, device=dev, dtype=torch.float32) if split > 1 or silu_out else gate_up
+    aq = torch.empty(top_k, inter, device=dev, dtype=xq.dtype)
+    a_s = torch.empty(top_k, inter // BK, device=dev, dtype=torch.float32)
     ss_in, eps = norm_in if norm_in is not None else (gate_up, 0.0)
     s13 = w13_scale.reshape(e * two_i // BN, -1)
     tiles = h // BK // split
@@ -468,8 +518,10 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
         ss_in.shape[1] if norm_in else 1, eps, ids, topk_w, TILES=tiles, T_PAD=triton.next_power_of_2(tiles),
         STAGES=min(stages, tiles), SPLIT=split, NORM_OUT=False, NORM_IN=norm_in is not None,
         S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in else 1, num_warps=4, EXPERT_STRIPS=two_i // BN,
-        EXPERT_LATE=ids_late, **launch_args(xq, pdl))
-    aq, a_s = silu_and_mul_quant_triton(gate_up.view(top_k, two_i), xq.dtype, BK, pdl, early=early)
+        EXPERT_LATE=ids_late, SILU_OUT=silu_out, aq_ptr=aq, as_ptr=a_s, fp8_max=float(torch.finfo(xq.dtype).max),
+        **launch_args(xq, pdl))
+    if not silu_out:
+        aq, a_s = silu_and_mul_quant_triton(gate_up.view(top_k, two_i), xq.dtype, BK, pdl, early=early)
     norm = residual is not None
     out = torch.empty(1, h, device=dev, dtype=dtype)
     sg = torch.empty_like(out) if norm else out

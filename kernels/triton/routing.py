@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.triton.device import tickets
 from tandem.kernels.triton.fp8_skinny import _quant_tile
 from tandem.kernels.triton.pdl import launch_args, wait_previous
 
@@ -148,6 +149,7 @@ def _route_token_kernel(x_ptr, gate_ptr, ss_in_ptr, in_strips, eps, logits_ptr, 
 
 
 ROUTE_TOKEN_ELEMENTS = 16384  # router weight elements a program holds (EB rows of the padded K)
+ROUTE_TOKEN_QUANT_COLUMNS = 1024  # columns of x a quantizing program takes (groups of 128)
 
 
 def route_token_supports(x: torch.Tensor, gate: torch.Tensor) -> bool:
@@ -170,7 +172,7 @@ def route_token_triton(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormal
     k_block = triton.next_power_of_2(k)
     eb = max(1, min(ROUTE_TOKEN_ELEMENTS // k_block, triton.next_power_of_2(num_experts)))
     programs = triton.cdiv(num_experts, eb)
-    groups, g = 1024 // 128, k // 128
+    groups, g = ROUTE_TOKEN_QUANT_COLUMNS // 128, k // 128
     dev = x.device
     logits = torch.empty(num_experts, device=dev, dtype=torch.float32)
     weights = torch.empty(1, top_k, device=dev, dtype=torch.float32)
@@ -179,7 +181,6 @@ def route_token_triton(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormal
     qs = torch.empty(1, g, device=dev, dtype=torch.float32)
     ss_in, eps = norm_in if norm_in is not None else (logits, 0.0)
     in_strips = ss_in.shape[1] if norm_in is not None else 1
-    from tandem.kernels.triton.device import tickets
     x = x if x.stride(-1) == 1 else x.contiguous()
     _route_token_kernel[(programs + triton.cdiv(g, groups),)](
         x, gate, ss_in, in_strips, eps, logits, tickets(dev), weights, ids, q, qs, num_experts, k, g,

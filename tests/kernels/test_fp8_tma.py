@@ -137,7 +137,7 @@ def test_ring_plan_rule():
 
 
 def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: bool, pdl: bool = True,
-                  strips: int = 0, shares: bool = False, late: bool = False):
+                  strips: int = 0, shares: bool = False, late: bool = False, silu: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -153,9 +153,10 @@ def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: 
     ints = ("M", "N", "K", "stride_xs", "stride_ws", "stride_om", "stride_rm", "stride_gm", "in_strips")
     consts = dict(TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=stages, SPLIT=split, NORM_OUT=norm_out,
                   NORM_IN=norm_in, S_PAD=32, PDL=pdl, num_warps=4, EXPERT_STRIPS=strips, EXPERT_SHARES=shares,
-                  EXPERT_LATE=late)
+                  EXPERT_LATE=late, SILU_OUT=silu)
     sig = {"w_desc": _w_desc(w).__mangle__(), "x_desc": x_desc.__mangle__(), **ptrs, **{n: "i32" for n in ints},
-           "eps": "fp32", "ids_ptr": "*i32", "topk_w_ptr": "*fp32", **{n: "constexpr" for n in consts}}
+           "eps": "fp32", "ids_ptr": "*i32", "topk_w_ptr": "*fp32", **{n: "constexpr" for n in consts},
+           "aq_ptr": "*fp8e4nv", "as_ptr": "*fp32", "fp8_max": "fp32"}
     return triton.compile(GluonASTSource(_fp8_tma_ring_kernel, sig, constexprs=consts),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
@@ -203,6 +204,19 @@ def test_ring_experts_late_read_their_expert_after_the_wait():
     loads = [i for i in range(len(ptx)) if ptx.startswith("ld.global", i)]
     assert ptx.count("griddepcontrol.wait") == 1 and wait < min(loads)
     assert wait < ptx.index("cp.async.bulk.tensor")
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_ring_experts_silu_out_compiles(split):
+    """SILU_OUT (w13 writing the pairs' activations quantized): with or without a split of K, the programs write
+    partials and take a ticket, and the last of a gate and up strip's programs stores fp8 (the activation) and its
+    scales; the plain w13 stores neither fp8 nor a ticket at one share."""
+    ptx = _compile_ring(16 // split, 6, split, False, True, strips=12, late=True, silu=True).asm["ptx"]
+    plain = _compile_ring(16 // split, 6, split, False, True, strips=12, late=True).asm["ptx"]
+    assert "atom.global" in ptx or "atom.acq_rel" in ptx
+    assert ("atom.global" in plain or "atom.acq_rel" in plain) == (split > 1)
+    assert "ex2.approx" in ptx and "ex2.approx" not in plain  # the SiLU's exp
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" not in plain
 
 
 def test_ring_takes_rows_quantized_ahead_where_the_o_gemm_does_not(monkeypatch):
@@ -297,15 +311,22 @@ def test_ring_experts_match_reference_gpu(e, h, inter, top_k, mode):
     if mode == "norm_out":
         kw = dict(norm_out=(res, gamma_out))
         ref = (ref + res.float()).to(torch.bfloat16).float()
-    for _ in range(2):  # twice: the tickets are back to zero after a launch
-        got = routed_experts(x_in, logits, w13, w2, top_k, True, scales=scales, **kw)
+    from tandem.kernels import KernelConfig
+    outs = []
+    # twice each: the tickets are back to zero after a launch; w13 writing the activations quantized (SILU_OUT),
+    # then gate_up for the SiLU-and-mul launch, which computes the same values
+    for silu in (True, True, False, False):
+        got = routed_experts(x_in, logits, w13, w2, top_k, True, scales=scales,
+                             config=KernelConfig(fp8_tma_ring_moe_silu=silu), **kw)
         out = got[0] if mode == "norm_out" else got
-        assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
+        assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2, silu
+        outs.append(out.float())
         if mode == "norm_out":
             sf = out.float()
             assert torch.allclose(got[1].float(), (sf * gamma_out.float()).to(torch.bfloat16).float(), rtol=1e-2,
                                   atol=1e-2)
             assert got[2].shape == (16, h // 128) and torch.allclose(got[2][0].sum(), (sf * sf).sum(), rtol=1e-3)
+    assert ((outs[0] - outs[2]).norm() / outs[2].norm()).item() < 5e-3
     assert not tickets(x.device).any()
 
 
