@@ -103,6 +103,11 @@ def run_case(name: str) -> None:
                 q_ref, qs_ref = quantize_rows(x, torch.float16, 128)
                 assert torch.equal(ids, ids_ref) and torch.allclose(w, w_ref, atol=1e-6), (ids, ids_ref)
                 assert torch.equal(q.float(), q_ref.float()) and torch.allclose(qs, qs_ref, rtol=1e-6)
+        # Qwen3-30B-A3B's 128 experts and top 8 (16 router programs), sigmoid scores unnormalized
+        gate = (torch.randn(128, 512) / 8).half()
+        w_ref, ids_ref = topk_routing_ref((x.float() @ gate.float().t()).half(), 8, False, "sigmoid")
+        w, ids, _, _ = route_token_triton(x, gate, 8, False, "sigmoid", torch.float16)
+        assert torch.equal(ids, ids_ref) and torch.allclose(w, w_ref, atol=1e-6), (ids, ids_ref)
     elif name.startswith("routed_experts"):
         from tandem.kernels.moe import fused_experts_ref, topk_routing_ref
         from tandem.kernels.triton import moe
