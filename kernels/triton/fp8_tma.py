@@ -390,7 +390,12 @@ RING_FIXED_SMEM = 2048  # the barriers and the compiler's scratch (a layout conv
 MAX_STAGES = 8
 # Measured plans: (N, K) -> {"SPLIT": s, "STAGES": t}, where one beat ring_plan's rule in a decode step
 # (benchmarks.ab_decode plans=F, F a walk {"what": "tma ring (N, K)", "best": {...}}).
-RING_PLANS: dict[tuple[int, int], dict] = {}
+RING_PLANS: dict[tuple[int, int], dict] = {
+    # Qwen3-30B-A3B's ring w13 (8 experts' 1536 x 2048 side by side): 5 stages, not the rule's 6, leave shared memory
+    # beside two w13 programs an SM; b=1 step on an H200 2.095 -> 2.085 ms, every round, tokens equal (RESULTS.md,
+    # thirtieth session). Also a dense 12288 x 2048 on the ring (Qwen3-1.7B's gate_up), not measured there.
+    (12288, 2048): {"SPLIT": 2, "STAGES": 5},
+}
 
 
 def ring_plan(n: int, k: int, sms: int) -> tuple[int, int] | None:
