@@ -391,9 +391,9 @@ MAX_STAGES = 8
 # Measured plans: (N, K) -> {"SPLIT": s, "STAGES": t}, where one beat ring_plan's rule in a decode step
 # (benchmarks.ab_decode plans=F, F a walk {"what": "tma ring (N, K)", "best": {...}}).
 RING_PLANS: dict[tuple[int, int], dict] = {
-    # Qwen3-30B-A3B's ring w13 (8 experts' 1536 x 2048 side by side): 5 stages, not the rule's 6, leave shared memory
-    # beside two w13 programs an SM; b=1 step on an H200 2.095 -> 2.085 ms, every round, tokens equal (RESULTS.md,
-    # thirtieth session). Also a dense 12288 x 2048 on the ring (Qwen3-1.7B's gate_up), not measured there.
+    # Qwen3-30B-A3B's ring w13 (8 experts' 1536 x 2048 side by side): 5 stages, not the rule's 6 (4: no change); the
+    # b=1 step on an H200 2.095 -> 2.085 ms in every round, tokens equal (RESULTS.md, thirtieth session). Also a dense
+    # 12288 x 2048 on the ring (Qwen3-1.7B's gate_up), not measured there.
     (12288, 2048): {"SPLIT": 2, "STAGES": 5},
 }
 
@@ -512,8 +512,8 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
     split, stages = ring_plan(n1, h, num_sms(dev))
     gate_up = torch.empty(1, 1 if silu_out else n1, device=dev, dtype=dtype)  # (its dtype only, with silu_out)
     part = torch.empty(split, BM, n1, device=dev, dtype=torch.float32) if split > 1 or silu_out else gate_up
-    aq = torch.empty(top_k, inter, device=dev, dtype=xq.dtype)
-    a_s = torch.empty(top_k, inter // BK, device=dev, dtype=torch.float32)
+    aq = torch.empty(top_k, inter, device=dev, dtype=xq.dtype) if silu_out else None
+    a_s = torch.empty(top_k, inter // BK, device=dev, dtype=torch.float32) if silu_out else None
     ss_in, eps = norm_in if norm_in is not None else (gate_up, 0.0)
     s13 = w13_scale.reshape(e * two_i // BN, -1)
     tiles = h // BK // split
