@@ -263,7 +263,8 @@ def _silu_out(acc, part_ptr, ticket_ptr, aq_ptr, as_ptr, out_ptr, fp8_max, rm, r
     """SILU_OUT's epilogue: acc [BN, BM] is strip pid_n's K share pid_k (STRIPS strips a pair: its gate's, then its
     up's). The partial goes to part [SPLIT, BM, N]; the last of the 2 * SPLIT programs of gate strip j and up strip
     j + STRIPS / 2 sums both (each rounded to the output dtype, as gate_up would hold them), and writes silu(gate)
-    * up rounded, quantized as one group of 128 columns: aq[pair, j * 128 + c], as[pair, j]."""
+    * up rounded, quantized as one group of 128 columns: aq[pair, j * 128 + c], as[pair, j]. mask (the rows below
+    M; a strip's rows are all within N) serves the partials' reads as it did their writes."""
     BN_: gl.constexpr = acc.shape[0]
     BM_: gl.constexpr = acc.shape[1]
     HALF: gl.constexpr = STRIPS // 2
@@ -275,20 +276,19 @@ def _silu_out(acc, part_ptr, ticket_ptr, aq_ptr, as_ptr, out_ptr, fp8_max, rm, r
     if gl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == 2 * SPLIT - 1:
         rr = rn - pid_n * BN_  # the strip's rows 0..BN-1
         g0 = (pair * STRIPS + j) * BN_
-        ok = (rm < M)[None, :] & (rr < BN_)[:, None]
         gate = gl.zeros_like(acc)
         up = gl.zeros_like(acc)
         for sp in gl.static_range(SPLIT):
             rows = part_ptr + (sp * BM_ + rm[None, :]) * N + g0 + rr[:, None]
-            gate += gl.load(rows, mask=ok, other=0.0, cache_modifier=".cg")
-            up += gl.load(rows + HALF * BN_, mask=ok, other=0.0, cache_modifier=".cg")
+            gate += gl.load(rows, mask=mask, other=0.0, cache_modifier=".cg")
+            up += gl.load(rows + HALF * BN_, mask=mask, other=0.0, cache_modifier=".cg")
         dt: gl.constexpr = out_ptr.dtype.element_ty
         gate = gate.to(dt).to(gl.float32)
         act = (gate / (1.0 + gl.exp(-gate))).to(dt).to(gl.float32)  # silu rounded first, as the reference
-        y = gl.where(ok, (act * up.to(dt).to(gl.float32)).to(dt).to(gl.float32), 0.0)
+        y = gl.where(mask, (act * up.to(dt).to(gl.float32)).to(dt).to(gl.float32), 0.0)
         s = gl.maximum(gl.max(gl.abs(y), axis=0) / fp8_max, 1e-12)
         q = gl.minimum(gl.maximum(y / s[None, :], -fp8_max), fp8_max).to(aq_ptr.dtype.element_ty)
-        gl.store(aq_ptr + pair * (HALF * BN_) + j * BN_ + rr[:, None] + rm[None, :] * 0, q, mask=ok)
+        gl.store(aq_ptr + pair * (HALF * BN_) + j * BN_ + rr[:, None] + rm[None, :] * 0, q, mask=mask)
         gl.store(as_ptr + pair * HALF + j + rm * 0, s, mask=rm < M)
         gl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
 
