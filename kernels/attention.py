@@ -82,7 +82,8 @@ def paged_attention(
         from tandem.kernels.triton.attention import paged_attention_triton
         out = paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                      max_query_len, max_seq_len, dense_kv, rope, config.pdl, config.fp8_int_convert,
-                                     quant, config.fp8_kv_f16, early)
+                                     quant, config.fp8_kv_f16, early,
+                                     config.attention_kv_early)
         return QuantRows(*out, quant[1], q.dtype) if quant else out
     out = paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     return QuantRows(*quantize_rows(out.flatten(1), *quant), quant[1], q.dtype) if quant else out

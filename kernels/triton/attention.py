@@ -249,10 +249,12 @@ def _paged_attention_kernel(
     HEAVY_FIRST: tl.constexpr, OFFS_32: tl.constexpr, DENSE: tl.constexpr, BT_SCALAR: tl.constexpr,
     ROPE: tl.constexpr, QK_NORM: tl.constexpr, ROT: tl.constexpr, FAST_CVT: tl.constexpr, PDL: tl.constexpr,
     KV_AHEAD: tl.constexpr = False, QUANT_OUT: tl.constexpr = False, PIN_K: tl.constexpr = False,
+    KV_EARLY: tl.constexpr = False,
 ):
     # Up to the wait only sequence metadata is read (query_start_loc, seq_lens), which no kernel
     # of the step writes: the dependent loads that place this program run while the kernel ahead
-    # finishes. q and K/V come after it.
+    # finishes. q and K/V come after it; KV_EARLY (with ROPE): the program's last K/V tile too, all but the
+    # new key (an earlier step wrote them), which is put into that tile from registers after the wait.
     if HEAVY_FIRST:
         # grid (kv heads, q blocks): the last q blocks (most keys under the causal mask) start
         # first, for every head, so the short ones fill the tail
@@ -315,24 +317,6 @@ def _paged_attention_kernel(
         sin = tl.load(cos_sin_ptr + pos * stride_cs + half + partner % half, mask=rot, other=0.0).to(tl.float32)
         sin = tl.where(d_off < half, -sin, sin)
         slot = tl.load(slot_ptr + q_start).to(tl.int64)
-    wait_previous(PDL)
-    if ROPE:
-        q = _norm_rotate(q_rows, row_mask[:, None] & d_mask[None, :], d_off, partner, cos, sin, qw_ptr, eps,
-                         QK_NORM, HEAD_DIM).to(q_ptr.dtype.element_ty)
-        if (kv_hi == ctx_len) & (slot >= 0):  # this program's keys end with the new one: store it
-            k_row = k_new_ptr + q_start.to(tl.int64) * stride_knt + kv_head * stride_knh + tl.zeros([1, 1], tl.int64)
-            k = _norm_rotate(k_row, d_mask[None, :], d_off, partner, cos, sin, kw_ptr, eps, QK_NORM, HEAD_DIM)
-            cache_off = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ko + kv_head * stride_kh
-            tl.store(k_cache_ptr + cache_off + d_off[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=d_mask[None, :])
-            v = tl.load(v_new_ptr + q_start.to(tl.int64) * stride_vnt + kv_head * stride_vnh + d_off, mask=d_mask)
-            tl.store(v_cache_ptr + (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vo + kv_head * stride_vh + d_off,
-                     v.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
-        tl.debug_barrier()  # the key and value stored above are read back with the tiles below
-    else:
-        q = tl.load(q_rows + d_off[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-    if FAST_CVT == 2:
-        q = q.to(tl.float16)  # (exact for 2^-14 <= |q| <= 65504: 3 more mantissa bits, 3 fewer exponent)
-
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if DENSE:  # the whole context is this step's new tokens (a prefill from position 0): read them
         k_base = k_new_ptr + q_start.to(tl.int64) * stride_knt + kv_head * stride_knh
@@ -341,25 +325,74 @@ def _paged_attention_kernel(
     else:
         k_base = k_cache_ptr + kv_head * stride_kh
         v_base = v_cache_ptr + kv_head * stride_vh
+    if KV_EARLY:  # keys [last_lo, kv_hi), the new one (at ctx_len - 1) read as 0 and put in below
+        last_lo = kv_lo + (kv_hi - 1 - kv_lo) // BLOCK_N * BLOCK_N
+        n_last = last_lo + tl.arange(0, BLOCK_N)
+        k_last, v_last = _kv_tile(k_base, v_base, _tile_blocks(bt_row, last_lo, kv_hi, PAGE, BLOCK_N, BT_SCALAR, True),
+                                  n_last, tl.minimum(kv_hi, ctx_len - 1), d_off, d_mask, stride_kb, stride_ko,
+                                  stride_vb, stride_vo, PAGE, OFFS_32)
+    wait_previous(PDL)
+    if ROPE:
+        q = _norm_rotate(q_rows, row_mask[:, None] & d_mask[None, :], d_off, partner, cos, sin, qw_ptr, eps,
+                         QK_NORM, HEAD_DIM).to(q_ptr.dtype.element_ty)
+        holds_new = kv_hi == ctx_len  # this program's keys end with the new one
+        if KV_EARLY:
+            k_row = k_new_ptr + q_start.to(tl.int64) * stride_knt + kv_head * stride_knh + tl.zeros([1, 1], tl.int64)
+            k = _norm_rotate(k_row, d_mask[None, :], d_off, partner, cos, sin, kw_ptr, eps, QK_NORM, HEAD_DIM)
+            k = k.to(k_cache_ptr.dtype.element_ty)
+            v = tl.load(v_new_ptr + q_start.to(tl.int64) * stride_vnt + kv_head * stride_vnh + d_off[None, :],
+                        mask=d_mask[None, :]).to(v_cache_ptr.dtype.element_ty)
+            new_row = (n_last == ctx_len - 1)[:, None] & holds_new
+            k_last = tl.where(new_row, k, k_last)
+            v_last = tl.where(new_row, v, v_last)
+            if holds_new & (slot >= 0):
+                cache_off = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ko + kv_head * stride_kh
+                tl.store(k_cache_ptr + cache_off + d_off[None, :], k, mask=d_mask[None, :])
+                tl.store(v_cache_ptr + (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vo + kv_head * stride_vh
+                         + d_off[None, :], v, mask=d_mask[None, :])
+        else:
+            if holds_new & (slot >= 0):
+                k_row = (k_new_ptr + q_start.to(tl.int64) * stride_knt + kv_head * stride_knh
+                         + tl.zeros([1, 1], tl.int64))
+                k = _norm_rotate(k_row, d_mask[None, :], d_off, partner, cos, sin, kw_ptr, eps, QK_NORM, HEAD_DIM)
+                cache_off = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ko + kv_head * stride_kh
+                tl.store(k_cache_ptr + cache_off + d_off[None, :], k.to(k_cache_ptr.dtype.element_ty),
+                         mask=d_mask[None, :])
+                v = tl.load(v_new_ptr + q_start.to(tl.int64) * stride_vnt + kv_head * stride_vnh + d_off, mask=d_mask)
+                tl.store(v_cache_ptr + (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vo + kv_head * stride_vh
+                         + d_off, v.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
+            tl.debug_barrier()  # the key and value stored above are read back with the tiles below
+    else:
+        q = tl.load(q_rows + d_off[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if FAST_CVT == 2:
+        q = q.to(tl.float16)  # (exact for 2^-14 <= |q| <= 65504: 3 more mantissa bits, 3 fewer exponent)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     # (_tile_update) V pinned: the bf16 form gains without splits only; the f16 form's pinned cvt reads
     # V from 16-byte loads in every plan but KV_AHEAD's, whose tiles come through registers
     PIN_V = (NUM_SPLITS == 1) | ((FAST_CVT == 2) & (not KV_AHEAD))
+    if KV_EARLY:  # (one query a sequence: every tile before the last is full and below it)
+        unmasked_hi = last_lo
+    else:
+        unmasked_hi = full_hi
     if KV_AHEAD and not DENSE:
         acc, l_i, m_i = _attend_tiles_ahead(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
-                                            kv_lo, full_hi, stride_kb, stride_ko, stride_vb, stride_vo,
+                                            kv_lo, unmasked_hi, stride_kb, stride_ko, stride_vb, stride_vo,
                                             qk_scale, PAGE, BLOCK_N, OFFS_32, BT_SCALAR, FAST_CVT, PIN_K, PIN_V)
     else:
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
-                                      kv_lo, full_hi, stride_kb, stride_ko, stride_vb, stride_vo,
+                                      kv_lo, unmasked_hi, stride_kb, stride_ko, stride_vb, stride_vo,
                                       qk_scale, False, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE, BT_SCALAR,
                                       FAST_CVT, PIN_K, PIN_V)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
-                                  full_hi, kv_hi, stride_kb, stride_ko, stride_vb, stride_vo,
-                                  qk_scale, True, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE, BT_SCALAR,
-                                  FAST_CVT, PIN_K, PIN_V)
+    if KV_EARLY:
+        acc, l_i, m_i = _tile_update(acc, l_i, m_i, q, k_last, v_last, n_last, n_last < kv_hi, q_pos, qk_scale,
+                                     True, FAST_CVT, PIN_K, PIN_V)
+    else:
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
+                                      full_hi, kv_hi, stride_kb, stride_ko, stride_vb, stride_vo,
+                                      qk_scale, True, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE, BT_SCALAR,
+                                      FAST_CVT, PIN_K, PIN_V)
     if FAST_CVT == 1:
         acc *= E4M3_BF16_UNIT
 
@@ -536,7 +569,7 @@ def paged_attention_triton(
     max_query_len: int | None = None, max_seq_len: int | None = None,
     dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope: "NewTokens | None" = None,
     pdl: bool = True, int_convert: bool = True, quant: tuple[torch.dtype, int] | None = None,
-    kv_f16: bool = True, early: bool = False,
+    kv_f16: bool = True, early: bool = False, kv_early: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hk, D]; block_tables: [S, max_blocks] int32;
     seq_lens: [S] (context incl. the new tokens); query_start_loc: [S+1]. Returns [T, Hq, D].
@@ -555,17 +588,18 @@ def paged_attention_triton(
     quant = (fp8 dtype, D): the output is written as the o projection's FP8 input instead,
     (q [T, Hq * D] fp8, s [T, Hq] float32) as kernels.fp8.quantize_rows writes it in groups of D.
     early: the split merge lets the next launch in before its own PDL wait (kernels.fp8.tma_early).
+    kv_early: with rope, each program reads its last K/V tile before its PDL wait (KV_EARLY).
     """
     return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                             max_query_len, max_seq_len, dense_kv=dense_kv, rope=rope, pdl=pdl,
-                            int_convert=int_convert, quant=quant, kv_f16=kv_f16, early=early)
+                            int_convert=int_convert, quant=quant, kv_f16=kv_f16, early=early, kv_early=kv_early)
 
 
 def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                      max_query_len=None, max_seq_len=None, plan: dict | None = None,
                      dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope=None,
                      pdl: bool = True, int_convert: bool = True, quant=None, kv_f16: bool = True,
-                     early: bool = False):
+                     early: bool = False, kv_early: bool = True):
     """paged_attention_triton with an optional explicit launch plan (benchmark sweeps)."""
     num_tokens, num_heads, head_dim = q.shape
     if quant is not None and quant[1] != head_dim:
@@ -632,6 +666,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             OFFS_32=p.get("OFFS_32", offs_32), DENSE=p.get("DENSE", False) and dense_kv is not None,
             BT_SCALAR=p.get("BT_SCALAR", False) and p["BLOCK_N"] % page == 0,
             KV_AHEAD=p.get("KV_AHEAD", False), PIN_K=p.get("PIN_K", False), QUANT_OUT=quant is not None,
+            KV_EARLY=p.get("KV_EARLY", kv_early) and rope is not None,
             ROPE=rope is not None, QK_NORM=rope is not None and rope.qk_norm is not None,
             ROT=rope.cos_sin_cache.shape[-1] if rope is not None else 0, FAST_CVT=fast,
             num_warps=p["num_warps"], num_stages=p["num_stages"], **launch_args(q, pdl),

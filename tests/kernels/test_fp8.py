@@ -695,16 +695,18 @@ def test_fp8_gemm_plans_compile_for_sm90():
         assert compiled.metadata.shared <= SMEM_LIMIT, (what, compiled.metadata.shared)
 
 
-@pytest.mark.parametrize("cvt,kv_ahead,quant_out,splits,pin_k", [
-    (1, False, False, 1, False), (1, True, False, 1, False), (1, False, True, 1, False),
-    (2, False, False, 1, False), (2, False, False, 1, True), (2, False, True, 1, False), (2, False, False, 4, False),
-    (2, True, False, 4, False)])
-def test_fp8_cache_decode_attention_compiles_for_sm90(cvt, kv_ahead, quant_out, splits, pin_k):
+@pytest.mark.parametrize("cvt,kv_ahead,quant_out,splits,pin_k,kv_early", [
+    (1, False, False, 1, False, False), (1, True, False, 1, False, False), (1, False, True, 1, False, False),
+    (2, False, False, 1, False, False), (2, False, False, 1, True, False), (2, False, True, 1, False, False),
+    (2, False, False, 4, False, False), (2, True, False, 4, False, False), (2, False, True, 4, False, True),
+    (2, True, True, 4, False, True)])
+def test_fp8_cache_decode_attention_compiles_for_sm90(cvt, kv_ahead, quant_out, splits, pin_k, kv_early):
     """Without a GPU: decode attention over an e4m3 cache (Llama-3-8B heads, rope fused, 64-key tiles)
     compiles for sm_90 to tensor-core instructions, bf16 fed by the integer conversion (FAST_CVT 1) or
     f16 fed by cvt.rn.f16x2.e4m3x2 (2), with Triton's cp.async pipelining at 2 stages, and with
     KV_AHEAD at 1 stage pipelined by hand (plain loads a tile ahead, no cp.async); QUANT_OUT (its
-    output written as the o projection's fp8 input) changes only the epilogue."""
+    output written as the o projection's fp8 input) changes only the epilogue. KV_EARLY: the last
+    tile's loads come before the PDL wait."""
     from tandem.kernels.triton.attention import _paged_attention_kernel
     ptrs = dict(q_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", out_ptr="*bf16", part_acc_ptr="*fp32",
                 part_ml_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32",
@@ -713,9 +715,12 @@ def test_fp8_cache_decode_attention_compiles_for_sm90(cvt, kv_ahead, quant_out, 
                 fp8_max="fp32")
     consts = dict(GROUP=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128, D_PAD=128, PAGE=16, NUM_SPLITS=splits,
                   HEAVY_FIRST=True, OFFS_32=True, DENSE=False, BT_SCALAR=False, ROPE=True, QK_NORM=False, ROT=128,
-                  FAST_CVT=cvt, PDL=True, KV_AHEAD=kv_ahead, QUANT_OUT=quant_out, PIN_K=pin_k)
+                  FAST_CVT=cvt, PDL=True, KV_AHEAD=kv_ahead, QUANT_OUT=quant_out, PIN_K=pin_k, KV_EARLY=kv_early)
     compiled = _compile_sm90(_paged_attention_kernel, ptrs, consts, 8 if splits > 1 else 4, 1 if kv_ahead else 2)
     ptx = compiled.asm["ptx"]
+    # ahead of the wait, 16-byte loads are the K/V tile's only (the metadata's are scalars): 2 x 64 rows of 128
+    # bytes over 256 threads, 4 a thread
+    assert ptx.split("griddepcontrol.wait")[0].count("ld.global.v4") == (4 if kv_early else 0)
     ty = "f16" if cvt == 2 else "bf16"
     assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32" in ptx
     assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (cvt == 2)

@@ -144,6 +144,44 @@ def test_paged_attention_rope(heads, rot_fraction, qk_norm):
         assert torch.equal(vc2, vc_ref) and torch.equal(q, q_before)  # q is read, not rotated in place
 
 
+@pytest.mark.parametrize("heads", [(32, 8), (32, 4)])  # Llama-3-8B's and Qwen3-30B-A3B's batch-1 plans
+def test_paged_attention_rope_fp8_cache_kv_early(heads):
+    """One decode over an e4m3 cache, rope fused, each program's last tile read before the PDL wait
+    (kv_early) and the new key put into it from registers: output and cache against the same launch
+    reading that key back from the cache (kv_early off), and both against rotary_store_kvcache_ref then
+    paged_attention_ref; contexts whose new key ends a tile, starts one, and sits inside one."""
+    from tandem.kernels.attention import NewTokens
+    from tandem.kernels.fp8 import fp8_dtype, has_fp8_compute
+    from tandem.kernels.triton.attention import paged_attention_triton
+    if not has_fp8_compute(torch.device(DEVICE)):
+        pytest.skip("no fp8 on this GPU")
+    hq, hk = heads
+    for ctx in (1024, 1025, 1000, 17):
+        q, kc, vc, bt, seq_lens, qsl = _paged_inputs([1], [ctx], hq, hk, 128, 16, torch.bfloat16)
+        kc, vc = (kc * 0.5).to(fp8_dtype(DEVICE)), vc.to(fp8_dtype(DEVICE))
+        k, v = torch.randn(2, 1, hk, 128, device=DEVICE).to(torch.bfloat16).unbind(0)
+        positions = seq_lens.long() - 1
+        slots = bt[0, positions // 16].long() * 16 + positions % 16
+        cache = build_cos_sin_cache(1.0 / (1e6 ** (torch.arange(0, 128, 2, device=DEVICE).float() / 128)), 9000)
+        norm = ((1 + 0.1 * torch.randn(128, device=DEVICE)).to(torch.bfloat16),
+                (1 + 0.1 * torch.randn(128, device=DEVICE)).to(torch.bfloat16), 1e-6)
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        q_ref = rotary_store_kvcache_ref(positions, q.clone(), k.clone(), v.clone(), cache, kc_ref, vc_ref, slots,
+                                         norm)
+        ref = paged_attention_ref(q_ref, kc_ref, vc_ref, bt, seq_lens, qsl, 0.08)
+        outs, k_caches = {}, {}
+        for kv_early in (True, False):
+            kc2, vc2 = kc.clone(), vc.clone()
+            outs[kv_early] = paged_attention_triton(q, kc2, vc2, bt, seq_lens, qsl, 0.08, 1, 2048,
+                                                    rope=NewTokens(positions, k, v, cache, slots, norm),
+                                                    kv_early=kv_early)
+            assert _rel(outs[kv_early], ref) < TOL[torch.bfloat16], (ctx, kv_early)
+            assert torch.equal(vc2.view(torch.uint8), vc_ref.view(torch.uint8)), (ctx, kv_early)
+            k_caches[kv_early] = kc2.view(torch.uint8)
+        assert torch.equal(k_caches[True], k_caches[False]), ctx
+        assert _rel(outs[True], outs[False]) < 2e-3, ctx
+
+
 def test_paged_attention_graph_capture():
     """Decode under CUDA graph capture: no host sync, replays see new lengths."""
     from tandem.kernels.triton.attention import paged_attention_triton

@@ -193,11 +193,24 @@ def run_case(name: str) -> None:
         q_ref = rotary_store_kvcache_ref(positions, q.clone(), k.clone(), v.clone(), cache, kc_ref, vc_ref, slots,
                                          norm)
         ref = paged_attention_ref(q_ref, kc_ref, vc_ref, bt, seq_lens, qsl, 0.2)
+        # kv_early: each program's last tile read before the wait, the new key and value put in from registers
         for bound in (4096, 320):  # 16 splits, 4
+            for kv_early in (True, False):
+                kc2, vc2 = kc.clone(), vc.clone()
+                out = paged_attention_triton(q, kc2, vc2, bt, seq_lens, qsl, 0.2, 1, bound,
+                                             rope=NewTokens(positions, k, v, cache, slots, norm), kv_early=kv_early)
+                assert _rel(out, ref) < 5e-3 and _rel(kc2, kc_ref) < 2e-3 and torch.equal(vc2, vc_ref), (bound,
+                                                                                                          kv_early)
+        # 16-key tiles: programs of many tiles, the new keys at 299 (inside a ragged last tile) and 16 (a tile's
+        # first key), with and without the hand-pipelined loop
+        from tandem.kernels.triton.attention import _paged_attention
+        for splits, ahead in ((1, False), (2, False), (2, True)):
+            plan = dict(BLOCK_M=16, BLOCK_N=16, NUM_SPLITS=splits, num_warps=4, num_stages=1, KV_AHEAD=ahead,
+                        KV_EARLY=True)
             kc2, vc2 = kc.clone(), vc.clone()
-            out = paged_attention_triton(q, kc2, vc2, bt, seq_lens, qsl, 0.2, 1, bound,
-                                         rope=NewTokens(positions, k, v, cache, slots, norm))
-            assert _rel(out, ref) < 5e-3 and _rel(kc2, kc_ref) < 2e-3 and torch.equal(vc2, vc_ref), bound
+            out = _paged_attention(q, kc2, vc2, bt, seq_lens, qsl, 0.2, 1, 320, plan=plan,
+                                   rope=NewTokens(positions, k, v, cache, slots, norm))
+            assert _rel(out, ref) < 5e-3 and _rel(kc2, kc_ref) < 2e-3 and torch.equal(vc2, vc_ref), (splits, ahead)
     elif name == "paged_attention_prefill_scalar_table":
         # a chunk behind context and a fresh prompt, 16-key tiles over 4-key pages: the tile's
         # block-table entries read as 4 scalars (BT_SCALAR), a ragged last tile, a shuffled table
