@@ -25,9 +25,9 @@ class KernelConfig:
         "a decode batch's q/k norm, rotary embedding and KV-cache store done by the attention launch "
         "(GPU) instead of a launch of their own")})
     attention_kv_early: bool = field(default=True, metadata={"help": (
-        "with --fuse-rope (a decode batch), each attention program reads its last K/V tile before its PDL wait "
-        "(an earlier step wrote it) and puts the new key and value into it from registers, so that tile's "
-        "latency overlaps the GEMM ahead")})
+        "with --fuse-rope, in a split-K decode attention over an fp8 cache (a batch of one or two), each program "
+        "reads its last K/V tile before its PDL wait (an earlier step wrote it) and puts the new key and value into "
+        "it from registers, so that tile's latency overlaps the GEMM ahead")})
     fp8_int_convert: bool = field(default=True, metadata={"help": (
         "kernels reading e4m3 into bf16 (an fp8 KV cache in attention, the W8A16 GEMMs) convert with integer "
         "ops (CUDA); --no-fp8-int-convert: Triton's cvt conversion, which runs on the GPU's slow conversion units")})

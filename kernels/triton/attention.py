@@ -531,6 +531,10 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
         # (benchmarks/plan_tune.py, 2026-11-28): Qwen3-30B-A3B 2783 -> 2583 us, Llama-3-8B 2888 -> 2825;
         # with K/V read into f16, 2 stages (2026-11-29): Llama-3-8B 2791 -> 2772, Qwen3-30B-A3B 2462 -> 2455
         narrow.update(num_warps=8, num_stages=2)
+        # with rope (a decode batch) each program's last tile before its PDL wait (KV_EARLY; a tile or two a
+        # program): H200 b=1 (2026-12-03) Qwen3-30B-A3B 2.076 -> 2.040 ms, Llama-3-8B 2.581 -> 2.557. (On the 8B's
+        # b=64 full grid, whose programs are capped at 128 registers, it took the step from 5.094 to 6.039.)
+        narrow.update(KV_EARLY=True)
         if num_kv_heads <= 4:
             # few KV heads: with 128-key tiles only heads x (context / 128) programs have keys (32 of
             # Qwen3-30B-A3B's at 1k); 64-key tiles double them, and KV_AHEAD issues each tile's loads
@@ -588,7 +592,8 @@ def paged_attention_triton(
     quant = (fp8 dtype, D): the output is written as the o projection's FP8 input instead,
     (q [T, Hq * D] fp8, s [T, Hq] float32) as kernels.fp8.quantize_rows writes it in groups of D.
     early: the split merge lets the next launch in before its own PDL wait (kernels.fp8.tma_early).
-    kv_early: with rope, each program reads its last K/V tile before its PDL wait (KV_EARLY).
+    kv_early: with rope, where the launch plan has KV_EARLY (split-K over an fp8 cache), each program reads its
+    last K/V tile before its PDL wait.
     """
     return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                             max_query_len, max_seq_len, dense_kv=dense_kv, rope=rope, pdl=pdl,
@@ -666,7 +671,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             OFFS_32=p.get("OFFS_32", offs_32), DENSE=p.get("DENSE", False) and dense_kv is not None,
             BT_SCALAR=p.get("BT_SCALAR", False) and p["BLOCK_N"] % page == 0,
             KV_AHEAD=p.get("KV_AHEAD", False), PIN_K=p.get("PIN_K", False), QUANT_OUT=quant is not None,
-            KV_EARLY=p.get("KV_EARLY", kv_early) and rope is not None,
+            KV_EARLY=p.get("KV_EARLY", False) and kv_early and rope is not None,
             ROPE=rope is not None, QK_NORM=rope is not None and rope.qk_norm is not None,
             ROT=rope.cos_sin_cache.shape[-1] if rope is not None else 0, FAST_CVT=fast,
             num_warps=p["num_warps"], num_stages=p["num_stages"], **launch_args(q, pdl),

@@ -586,7 +586,8 @@ def test_paged_attention_fp8_kv_decode_batch_gpu(mode):
 
 def test_fp8_cache_decode_plans_by_grid(monkeypatch):
     """The decode attention's plan over an fp8 cache by grid size (132 SMs, graph bound 8192 keys): a batch
-    of one or two keeps the split-K plans chosen in the b=1 step (8 warps; KV_AHEAD with 4 KV heads); a
+    of one or two keeps the split-K plans chosen in the b=1 step (8 warps, the last tile early; KV_AHEAD with 4
+    KV heads); a
     mid-sized grid splits only up to two programs an SM, 4 warps, 128-key tiles; a bf16 cache as before."""
     from tandem.kernels.triton import attention
 
@@ -597,9 +598,10 @@ def test_fp8_cache_decode_plans_by_grid(monkeypatch):
         (p,) = attention._launch_plans(q, 32 // hk, seqs, hk, 1, 8192, kv_bytes=kv_bytes)
         return {k: v for k, v in p.items() if k not in ("Q_RANGE", "BLOCK_M")}
 
-    assert plan(1, 8) == dict(BLOCK_N=128, NUM_SPLITS=64, num_warps=8, num_stages=2)
-    assert plan(2, 8) == dict(BLOCK_N=128, NUM_SPLITS=32, num_warps=8, num_stages=2)
-    assert plan(4, 4) == dict(BLOCK_N=64, NUM_SPLITS=32, num_warps=8, num_stages=2, KV_AHEAD=True)
+    assert plan(1, 8) == dict(BLOCK_N=128, NUM_SPLITS=64, num_warps=8, num_stages=2, KV_EARLY=True)
+    assert plan(2, 8) == dict(BLOCK_N=128, NUM_SPLITS=32, num_warps=8, num_stages=2, KV_EARLY=True)
+    assert plan(4, 4) == dict(BLOCK_N=64, NUM_SPLITS=32, num_warps=8, num_stages=2, KV_AHEAD=True, KV_EARLY=True)
+    assert "KV_EARLY" not in plan(64, 8)  # (the full grid: the b=64 step lost 19% with it)
     mid = dict(BLOCK_N=128, num_warps=4, num_stages=2)
     assert [plan(s, hk) for s, hk in ((8, 4), (32, 4), (64, 4), (16, 8), (32, 8))] == [
         dict(mid, NUM_SPLITS=8), dict(mid, NUM_SPLITS=2), dict(mid, NUM_SPLITS=1), dict(mid, NUM_SPLITS=2),

@@ -155,9 +155,11 @@ def test_paged_attention_rope_fp8_cache_kv_early(heads):
     from tandem.kernels.triton.attention import paged_attention_triton
     if not has_fp8_compute(torch.device(DEVICE)):
         pytest.skip("no fp8 on this GPU")
+    from tandem.kernels.triton.attention import _launch_plans
     hq, hk = heads
     for ctx in (1024, 1025, 1000, 17):
         q, kc, vc, bt, seq_lens, qsl = _paged_inputs([1], [ctx], hq, hk, 128, 16, torch.bfloat16)
+        assert [p.get("KV_EARLY") for p in _launch_plans(q, hq // hk, 1, hk, 1, 2048, kv_bytes=1)] == [True]
         kc, vc = (kc * 0.5).to(fp8_dtype(DEVICE)), vc.to(fp8_dtype(DEVICE))
         k, v = torch.randn(2, 1, hk, 128, device=DEVICE).to(torch.bfloat16).unbind(0)
         positions = seq_lens.long() - 1
