@@ -52,10 +52,9 @@ def _pick(v, i: gl.constexpr, layout: gl.constexpr):
 def _fp8_tma_kernel(w_desc, x_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, res_ptr, g_ptr, sg_ptr, ss_ptr,
                     M, N, stride_xm, stride_ws, stride_om, stride_rm, stride_gm, fp8_max,
                     TILES: gl.constexpr, SPLIT: gl.constexpr, NORM_OUT: gl.constexpr, PDL: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    num_warps: gl.constexpr, BM_: gl.constexpr = 16):
     BN_: gl.constexpr = w_desc.block_type.shape[0]
     BK_: gl.constexpr = w_desc.block_type.shape[1]
-    BM_: gl.constexpr = 16
     KP: gl.constexpr = TILES * BK_
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
@@ -305,6 +304,8 @@ def _write_out(acc, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_o
         gl.store(out_ptrs, s, mask=mask)
         sf = gl.where(mask, s.to(gl.float32), 0.0)
         gl.store(ss_ptr + rm * gl.num_programs(0) + pid_n, gl.sum(sf * sf, axis=0))
+        if rm.shape[0] == 8:  # (fp8_tma_linear's 8-row programs) ss keeps 16 rows: those past 8 hold zeros
+            gl.store(ss_ptr + (rm + 8) * gl.num_programs(0) + pid_n, gl.zeros_like(rm).to(gl.float32))
         gl.store(sg_ptr + rm[None, :] * stride_gm + rn[:, None], (sf * g[:, None]).to(y.dtype), mask=mask)
     else:
         gl.store(out_ptrs, y, mask=mask)
@@ -315,7 +316,15 @@ TILE_SMEM = BN * BK + BM * BK * 3 + BM * 4  # a weight tile, its x rows staged i
 
 # Measured splits: (N, K) -> {"SPLIT": s}, where one beat split_for's rule in a decode step
 # (benchmarks.ab_decode with a plan_tune-style file: {"walks": [{"what": "tma (N, K)", "best": {"SPLIT": s}}]}).
+# "ROWS": the x rows a program stages, 16 or (for M <= 8) 8, which rows_for picks by default.
 PLANS: dict[tuple[int, int], dict] = {}
+
+
+def rows_for(m: int, n: int, k: int) -> int:
+    """The x rows (the wgmma's N) a program of fp8_tma_linear stages for M = m: 8 where m <= 8, which leaves
+    the Llama-3-8B o projection's programs (SPLIT 8) 77 KB of shared memory, not 88: two of them fit an SM beside
+    an attention program (68 KB), so all 256 are resident, loading their weight, while the attention runs."""
+    return PLANS.get((n, k), {}).get("ROWS", 8 if m <= 8 else 16)
 
 
 def split_for(n: int, k: int, sms: int) -> int | None:
@@ -374,7 +383,7 @@ def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, resi
     _fp8_tma_kernel[(n // BN, split)](
         _w_desc(w), x, w_scale, out, part, tickets(x.device), res, g, sg, ss, m, n, x.stride(0), w_scale.stride(0),
         out.stride(0), res.stride(0), sg.stride(0), float(torch.finfo(w.dtype).max), TILES=k // BK // split,
-        SPLIT=split, NORM_OUT=norm, num_warps=4, **launch_args(x, pdl))
+        SPLIT=split, NORM_OUT=norm, num_warps=4, BM_=rows_for(m, n, k), **launch_args(x, pdl))
     return out, sg, ss
 
 

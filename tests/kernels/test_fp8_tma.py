@@ -58,7 +58,7 @@ def test_early_only_where_the_o_weight_outlasts_the_merge(monkeypatch):
     assert layer.attn.early_out(torch.empty(1, 32, 128, dtype=torch.bfloat16))
 
 
-def _compile(tiles: int, split: int, norm: bool, pdl: bool):
+def _compile(tiles: int, split: int, norm: bool, pdl: bool, rows: int = 16):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -68,23 +68,49 @@ def _compile(tiles: int, split: int, norm: bool, pdl: bool):
     ptrs = dict(x_ptr="*bf16", ws_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32", res_ptr="*bf16",
                 g_ptr="*bf16", sg_ptr="*bf16", ss_ptr="*fp32")
     ints = ("M", "N", "stride_xm", "stride_ws", "stride_om", "stride_rm", "stride_gm")
-    consts = dict(TILES=tiles, SPLIT=split, NORM_OUT=norm, PDL=pdl, num_warps=4)
+    consts = dict(TILES=tiles, SPLIT=split, NORM_OUT=norm, PDL=pdl, num_warps=4, BM_=rows)
     sig = {"w_desc": _w_desc(w).__mangle__(), **ptrs, **{n: "i32" for n in ints}, "fp8_max": "fp32",
            **{n: "constexpr" for n in consts}}
     return triton.compile(GluonASTSource(_fp8_tma_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4))
 
 
-@pytest.mark.parametrize("tiles,split,norm", [(4, 8, True), (2, 16, False), (1, 1, True)])
-def test_compiles_with_every_weight_tile_before_the_wait(tiles, split, norm):
-    compiled = _compile(tiles, split, norm, pdl=True)
+@pytest.mark.parametrize("tiles,split,norm,rows", [(4, 8, True, 16), (4, 8, True, 8), (2, 16, False, 16),
+                                                   (1, 1, True, 8)])
+def test_compiles_with_every_weight_tile_before_the_wait(tiles, split, norm, rows):
+    compiled = _compile(tiles, split, norm, pdl=True, rows=rows)
     ptx = compiled.asm["ptx"]
     copies = [i for i in range(len(ptx)) if ptx.startswith("cp.async.bulk.tensor", i)]
     assert len(copies) == tiles and copies[-1] < ptx.index("griddepcontrol.wait")  # all of the weight, ahead
-    assert ptx.count("wgmma.mma_async") == tiles * 8  # m64 n16 k32: 2 x 4 a 128 x 128 tile
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{rows}k32") == tiles * 8  # 2 x 4 a 128 x 128 tile
     assert ("atom.global" in ptx or "atom.acq_rel" in ptx) == (split > 1)  # the split-K ticket
     assert compiled.metadata.shared <= 227 * 1024
     assert "griddepcontrol" not in _compile(tiles, split, norm, pdl=False).asm["ptx"]
+
+
+def test_o_programs_of_8_rows_fit_two_beside_an_attention_program():
+    """rows_for's reason: the Llama-3-8B o projection at 1 row (SPLIT 8, 4 tiles a program) in 8-row programs, two
+    to an SM beside a batch-1 decode attention program (its plan from _launch_plans, the last tile early), within
+    an SM's 228 KB (1 KB a program reserved); 16-row programs do not fit."""
+    from tandem.kernels.triton.attention import _launch_plans, _paged_attention_kernel
+    from tandem.kernels.triton.fp8_tma import rows_for
+    from tests.kernels.test_fp8 import _compile_sm90
+    plan, = _launch_plans(torch.empty(1, 32, 128, dtype=torch.bfloat16), 4, 1, 8, 1, 2048, kv_bytes=1)
+    consts = dict(GROUP=4, BLOCK_Q=plan["BLOCK_M"] // 4, HEAD_DIM=128, D_PAD=128, PAGE=16, HEAVY_FIRST=True,
+                  OFFS_32=True, DENSE=False, BT_SCALAR=False, ROPE=True, QK_NORM=False, ROT=128, FAST_CVT=2, PDL=True,
+                  QUANT_OUT=False, KV_EARLY=True,
+                  **{k: plan[k] for k in ("BLOCK_M", "BLOCK_N", "NUM_SPLITS")}, KV_AHEAD=plan.get("KV_AHEAD", False))
+    ptrs = dict(q_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", out_ptr="*bf16", part_acc_ptr="*fp32",
+                part_ml_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32",
+                qk_scale="fp32", k_new_ptr="*bf16", v_new_ptr="*bf16", pos_ptr="*i64", cos_sin_ptr="*bf16",
+                slot_ptr="*i64", qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32", q8_ptr="*fp8e4nv", q8s_ptr="*fp32",
+                fp8_max="fp32")
+    attention = _compile_sm90(_paged_attention_kernel, ptrs, consts, plan["num_warps"], plan["num_stages"])
+    sm = 228 * 1024
+    assert rows_for(1, 4096, 4096) == 8
+    for rows, fits in ((8, True), (16, False)):
+        o = _compile(4, 8, True, pdl=True, rows=rows)
+        assert (attention.metadata.shared + 1024 + 2 * (o.metadata.shared + 1024) <= sm) == fits, rows
 
 
 @pytest.mark.parametrize("early", [False, True])
