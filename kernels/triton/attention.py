@@ -235,6 +235,15 @@ def _norm_rotate(rows, mask, d_off, partner, cos, sin, w_ptr, eps, NORM: tl.cons
 
 
 @triton.jit
+def _new_key_value(k_row, v_row, d_off, d_mask, partner, cos, sin, kw_ptr, eps, k_cache_ptr, v_cache_ptr,
+                   QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The new token's key (normalized, rotated) and value [1, D_PAD] of one KV head, in the cache's dtype."""
+    k = _norm_rotate(k_row, d_mask[None, :], d_off, partner, cos, sin, kw_ptr, eps, QK_NORM, HEAD_DIM)
+    v = tl.load(v_row + d_off[None, :], mask=d_mask[None, :])
+    return k.to(k_cache_ptr.dtype.element_ty), v.to(v_cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -336,31 +345,25 @@ def _paged_attention_kernel(
         q = _norm_rotate(q_rows, row_mask[:, None] & d_mask[None, :], d_off, partner, cos, sin, qw_ptr, eps,
                          QK_NORM, HEAD_DIM).to(q_ptr.dtype.element_ty)
         holds_new = kv_hi == ctx_len  # this program's keys end with the new one
+        k_row = k_new_ptr + q_start.to(tl.int64) * stride_knt + kv_head * stride_knh + tl.zeros([1, 1], tl.int64)
+        v_row = v_new_ptr + q_start.to(tl.int64) * stride_vnt + kv_head * stride_vnh + tl.zeros([1, 1], tl.int64)
+        k_slot = k_cache_ptr + (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ko + kv_head * stride_kh
+        v_slot = v_cache_ptr + (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vo + kv_head * stride_vh
         if KV_EARLY:
-            k_row = k_new_ptr + q_start.to(tl.int64) * stride_knt + kv_head * stride_knh + tl.zeros([1, 1], tl.int64)
-            k = _norm_rotate(k_row, d_mask[None, :], d_off, partner, cos, sin, kw_ptr, eps, QK_NORM, HEAD_DIM)
-            k = k.to(k_cache_ptr.dtype.element_ty)
-            v = tl.load(v_new_ptr + q_start.to(tl.int64) * stride_vnt + kv_head * stride_vnh + d_off[None, :],
-                        mask=d_mask[None, :]).to(v_cache_ptr.dtype.element_ty)
+            k, v = _new_key_value(k_row, v_row, d_off, d_mask, partner, cos, sin, kw_ptr, eps, k_cache_ptr,
+                                  v_cache_ptr, QK_NORM, HEAD_DIM)
             new_row = (n_last == ctx_len - 1)[:, None] & holds_new
             k_last = tl.where(new_row, k, k_last)
             v_last = tl.where(new_row, v, v_last)
             if holds_new & (slot >= 0):
-                cache_off = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ko + kv_head * stride_kh
-                tl.store(k_cache_ptr + cache_off + d_off[None, :], k, mask=d_mask[None, :])
-                tl.store(v_cache_ptr + (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vo + kv_head * stride_vh
-                         + d_off[None, :], v, mask=d_mask[None, :])
+                tl.store(k_slot + d_off[None, :], k, mask=d_mask[None, :])
+                tl.store(v_slot + d_off[None, :], v, mask=d_mask[None, :])
         else:
             if holds_new & (slot >= 0):
-                k_row = (k_new_ptr + q_start.to(tl.int64) * stride_knt + kv_head * stride_knh
-                         + tl.zeros([1, 1], tl.int64))
-                k = _norm_rotate(k_row, d_mask[None, :], d_off, partner, cos, sin, kw_ptr, eps, QK_NORM, HEAD_DIM)
-                cache_off = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ko + kv_head * stride_kh
-                tl.store(k_cache_ptr + cache_off + d_off[None, :], k.to(k_cache_ptr.dtype.element_ty),
-                         mask=d_mask[None, :])
-                v = tl.load(v_new_ptr + q_start.to(tl.int64) * stride_vnt + kv_head * stride_vnh + d_off, mask=d_mask)
-                tl.store(v_cache_ptr + (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vo + kv_head * stride_vh
-                         + d_off, v.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
+                k, v = _new_key_value(k_row, v_row, d_off, d_mask, partner, cos, sin, kw_ptr, eps, k_cache_ptr,
+                                      v_cache_ptr, QK_NORM, HEAD_DIM)
+                tl.store(k_slot + d_off[None, :], k, mask=d_mask[None, :])
+                tl.store(v_slot + d_off[None, :], v, mask=d_mask[None, :])
             tl.debug_barrier()  # the key and value stored above are read back with the tiles below
     else:
         q = tl.load(q_rows + d_off[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
