@@ -697,6 +697,14 @@ def test_fp8_gemm_plans_compile_for_sm90():
         assert compiled.metadata.shared <= SMEM_LIMIT, (what, compiled.metadata.shared)
 
 
+# _paged_attention_kernel's pointer and float arguments as a bf16 model's decode over an e4m3 cache passes them
+DECODE_ATTENTION_PTRS = dict(
+    q_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", out_ptr="*bf16", part_acc_ptr="*fp32",
+    part_ml_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", qk_scale="fp32",
+    k_new_ptr="*bf16", v_new_ptr="*bf16", pos_ptr="*i64", cos_sin_ptr="*bf16", slot_ptr="*i64", qw_ptr="*bf16",
+    kw_ptr="*bf16", eps="fp32", q8_ptr="*fp8e4nv", q8s_ptr="*fp32", fp8_max="fp32")
+
+
 @pytest.mark.parametrize("cvt,kv_ahead,quant_out,splits,pin_k,kv_early", [
     (1, False, False, 1, False, False), (1, True, False, 1, False, False), (1, False, True, 1, False, False),
     (2, False, False, 1, False, False), (2, False, False, 1, True, False), (2, False, True, 1, False, False),
@@ -710,15 +718,11 @@ def test_fp8_cache_decode_attention_compiles_for_sm90(cvt, kv_ahead, quant_out, 
     output written as the o projection's fp8 input) changes only the epilogue. KV_EARLY: the last
     tile's loads come before the PDL wait."""
     from tandem.kernels.triton.attention import _paged_attention_kernel
-    ptrs = dict(q_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", out_ptr="*bf16", part_acc_ptr="*fp32",
-                part_ml_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32",
-                qk_scale="fp32", k_new_ptr="*bf16", v_new_ptr="*bf16", pos_ptr="*i64", cos_sin_ptr="*bf16",
-                slot_ptr="*i64", qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32", q8_ptr="*fp8e4nv", q8s_ptr="*fp32",
-                fp8_max="fp32")
     consts = dict(GROUP=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128, D_PAD=128, PAGE=16, NUM_SPLITS=splits,
                   HEAVY_FIRST=True, OFFS_32=True, DENSE=False, BT_SCALAR=False, ROPE=True, QK_NORM=False, ROT=128,
                   FAST_CVT=cvt, PDL=True, KV_AHEAD=kv_ahead, QUANT_OUT=quant_out, PIN_K=pin_k, KV_EARLY=kv_early)
-    compiled = _compile_sm90(_paged_attention_kernel, ptrs, consts, 8 if splits > 1 else 4, 1 if kv_ahead else 2)
+    compiled = _compile_sm90(_paged_attention_kernel, DECODE_ATTENTION_PTRS, consts, 8 if splits > 1 else 4,
+                             1 if kv_ahead else 2)
     ptx = compiled.asm["ptx"]
     # ahead of the wait, 16-byte loads are the K/V tile's only (the metadata's are scalars): 2 x 64 rows of 128
     # bytes over 256 threads, 4 a thread

@@ -94,18 +94,14 @@ def test_o_programs_of_8_rows_fit_two_beside_an_attention_program():
     an SM's 228 KB (1 KB a program reserved); 16-row programs do not fit."""
     from tandem.kernels.triton.attention import _launch_plans, _paged_attention_kernel
     from tandem.kernels.triton.fp8_tma import rows_for
-    from tests.kernels.test_fp8 import _compile_sm90
+    from tests.kernels.test_fp8 import DECODE_ATTENTION_PTRS, _compile_sm90
     plan, = _launch_plans(torch.empty(1, 32, 128, dtype=torch.bfloat16), 4, 1, 8, 1, 2048, kv_bytes=1)
     consts = dict(GROUP=4, BLOCK_Q=plan["BLOCK_M"] // 4, HEAD_DIM=128, D_PAD=128, PAGE=16, HEAVY_FIRST=True,
                   OFFS_32=True, DENSE=False, BT_SCALAR=False, ROPE=True, QK_NORM=False, ROT=128, FAST_CVT=2, PDL=True,
                   QUANT_OUT=False, KV_EARLY=True,
                   **{k: plan[k] for k in ("BLOCK_M", "BLOCK_N", "NUM_SPLITS")}, KV_AHEAD=plan.get("KV_AHEAD", False))
-    ptrs = dict(q_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", out_ptr="*bf16", part_acc_ptr="*fp32",
-                part_ml_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32",
-                qk_scale="fp32", k_new_ptr="*bf16", v_new_ptr="*bf16", pos_ptr="*i64", cos_sin_ptr="*bf16",
-                slot_ptr="*i64", qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32", q8_ptr="*fp8e4nv", q8s_ptr="*fp32",
-                fp8_max="fp32")
-    attention = _compile_sm90(_paged_attention_kernel, ptrs, consts, plan["num_warps"], plan["num_stages"])
+    attention = _compile_sm90(_paged_attention_kernel, DECODE_ATTENTION_PTRS, consts, plan["num_warps"],
+                              plan["num_stages"])
     sm = 228 * 1024
     assert rows_for(1, 4096, 4096) == 8
     for rows, fits in ((8, True), (16, False)):

@@ -152,10 +152,9 @@ def test_paged_attention_rope_fp8_cache_kv_early(heads):
     paged_attention_ref; contexts whose new key ends a tile, starts one, and sits inside one."""
     from tandem.kernels.attention import NewTokens
     from tandem.kernels.fp8 import fp8_dtype, has_fp8_compute
-    from tandem.kernels.triton.attention import paged_attention_triton
+    from tandem.kernels.triton.attention import _launch_plans, paged_attention_triton
     if not has_fp8_compute(torch.device(DEVICE)):
         pytest.skip("no fp8 on this GPU")
-    from tandem.kernels.triton.attention import _launch_plans
     hq, hk = heads
     for ctx in (1024, 1025, 1000, 17):
         q, kc, vc, bt, seq_lens, qsl = _paged_inputs([1], [ctx], hq, hk, 128, 16, torch.bfloat16)
