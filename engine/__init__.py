@@ -3,7 +3,32 @@
 `LLM` is imported lazily so that light users (the API process reading engine.config and
 engine.protocol) do not pay for loading torch and transformers.
 """
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+
 from tandem.engine.sampling_params import SamplingParams
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _HubKernelsFinder(importlib.abc.MetaPathFinder):
+    """Run from a source checkout's root (python -m pytest, python -m benchmarks.X, `python -m tandem.server`
+    there), the root is on sys.path and its kernels/ folder (tandem.kernels) shadows Hugging Face's `kernels`
+    package, which transformers imports by that name where it is installed (5.25 and up require it), failing on
+    our folder. This finder, first on sys.meta_path, finds top-level `kernels` on sys.path without the root (only
+    when it is imported: a router loads no torch); where that finds nothing, the usual finders go on."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "kernels":
+            return None
+        return importlib.machinery.PathFinder.find_spec(
+            name, [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT])
+
+
+if not any(isinstance(f, _HubKernelsFinder) for f in sys.meta_path):
+    sys.meta_path.insert(0, _HubKernelsFinder())
 
 __all__ = ["LLM", "GenerationOutput", "SamplingParams"]
 

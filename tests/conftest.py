@@ -1,3 +1,4 @@
+import tandem.engine  # noqa: F401 (first: Hugging Face's kernels package ahead of the root's kernels/ folder)
 import pytest
 import torch
 

@@ -121,3 +121,21 @@ def test_router_starts_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False", "importing tandem.router.app imports torch"
+
+
+def test_the_root_kernels_folder_does_not_shadow_hugging_face_kernels():
+    """Run from the checkout's root (`python -m tandem.server` there, as the server's own children run), the root's
+    kernels/ folder is on sys.path; transformers (5.25 and up) imports Hugging Face's `kernels` package by that name,
+    so after tandem.engine's import finder `import kernels` is that package, and a transformers module that imports
+    it loads (on our folder it raised ImportError). Where that package is not installed there is nothing to shadow."""
+    import importlib.util
+    import subprocess
+    import sys
+    spec = importlib.util.find_spec("kernels")
+    if spec is None or Path(spec.origin or "").resolve().is_relative_to(ROOT):
+        pytest.skip("Hugging Face's kernels package is not installed")
+    code = ("import sys; sys.path.insert(0, '.'); import tandem.engine, kernels, transformers.activations; "
+            "print(kernels.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert not Path(out.stdout.strip()).resolve().is_relative_to(ROOT), out.stdout
