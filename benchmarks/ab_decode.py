@@ -87,6 +87,9 @@ def tuned_plans(variant: str) -> list[tuple[dict | None, object, dict]]:
             ring = key.startswith("ring ")
             out.append((fp8_tma.RING_PLANS if ring else fp8_tma.PLANS, ast.literal_eval(key.removeprefix("ring ")),
                         w["best"]))
+        elif kind == "route":
+            from tandem.kernels.triton import routing
+            out.append((routing.ROUTE_PLANS, ast.literal_eval(key), w["best"]))
         elif kind == "experts":
             out += [(moe.W8A16_PAIRS, name, value) for name, value in w["best"].items()]
         elif w["what"] == "decode attention":

@@ -286,8 +286,8 @@ class DecodeAttentionPlan:
 
 def _plan_tables() -> tuple[dict, ...]:
     """The tables of decode plans an engine reads while it captures its graphs."""
-    from tandem.kernels.triton import fp8_skinny, linear, moe
-    tables = (fp8_skinny.PLANS, linear.SKINNY_PLANS, moe.W8A16_PAIRS)
+    from tandem.kernels.triton import fp8_skinny, linear, moe, routing
+    tables = (fp8_skinny.PLANS, linear.SKINNY_PLANS, moe.W8A16_PAIRS, routing.ROUTE_PLANS)
     try:
         from tandem.kernels.triton import fp8_tma
     except ImportError:  # (no Gluon for Hopper in this Triton)

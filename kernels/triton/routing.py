@@ -150,6 +150,11 @@ def _route_token_kernel(x_ptr, gate_ptr, ss_in_ptr, in_strips, eps, logits_ptr, 
 
 ROUTE_TOKEN_ELEMENTS = 16384  # router weight elements a program holds (EB rows of the padded K)
 ROUTE_TOKEN_QUANT_COLUMNS = 1024  # columns of x a quantizing program takes (groups of 128)
+# Measured plans: (experts, K) -> {"ELEMENTS": router weight elements a program, "num_warps": w}, where one beat
+# (ROUTE_TOKEN_ELEMENTS, 4 warps) in a decode step (benchmarks.ab_decode plans=F, F a walk {"what": "route (E, K)"}).
+ROUTE_PLANS: dict[tuple[int, int], dict] = {
+    (128, 2048): {"ELEMENTS": 4096, "num_warps": 1},  # Qwen3-30B-A3B: 2.022 -> 1.995 ms at b=1 (H200)
+}
 
 
 def route_token_supports(x: torch.Tensor, gate: torch.Tensor) -> bool:
@@ -170,7 +175,8 @@ def route_token_triton(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormal
     num_experts, k = gate.shape
     check_routing(gate.t(), top_k, scoring)
     k_block = triton.next_power_of_2(k)
-    eb = max(1, min(ROUTE_TOKEN_ELEMENTS // k_block, triton.next_power_of_2(num_experts)))
+    plan = ROUTE_PLANS.get((num_experts, k), {})
+    eb = max(1, min(plan.get("ELEMENTS", ROUTE_TOKEN_ELEMENTS) // k_block, triton.next_power_of_2(num_experts)))
     programs = triton.cdiv(num_experts, eb)
     groups, g = ROUTE_TOKEN_QUANT_COLUMNS // 128, k // 128
     dev = x.device
@@ -187,5 +193,5 @@ def route_token_triton(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormal
         float(torch.finfo(q_dtype).max), programs, EB=eb, K_BLOCK=k_block, TOP_K=top_k,
         K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts), SOFTMAX=scoring == "softmax",
         RENORMALIZE=renormalize, NORM_IN=norm_in is not None, S_PAD=triton.next_power_of_2(in_strips), GROUP=128,
-        GROUPS=groups, num_warps=4, **launch_args(x, pdl))
+        GROUPS=groups, num_warps=plan.get("num_warps", 4), **launch_args(x, pdl))
     return weights, ids, q, qs

@@ -108,6 +108,14 @@ def run_case(name: str) -> None:
         w_ref, ids_ref = topk_routing_ref((x.float() @ gate.float().t()).half(), 8, False, "sigmoid")
         w, ids, _, _ = route_token_triton(x, gate, 8, False, "sigmoid", torch.float16)
         assert torch.equal(ids, ids_ref) and torch.allclose(w, w_ref, atol=1e-6), (ids, ids_ref)
+        # a ROUTE_PLANS entry: 1 expert a program (128 router programs, one ticket), 1 warp
+        from tandem.kernels.triton import routing
+        routing.ROUTE_PLANS[(128, 512)] = {"ELEMENTS": 512, "num_warps": 1}
+        try:
+            w, ids, _, _ = route_token_triton(x, gate, 8, False, "sigmoid", torch.float16)
+        finally:
+            routing.ROUTE_PLANS.pop((128, 512))
+        assert torch.equal(ids, ids_ref) and torch.allclose(w, w_ref, atol=1e-6), (ids, ids_ref)
     elif name.startswith("routed_experts"):
         from tandem.kernels.moe import fused_experts_ref, topk_routing_ref
         from tandem.kernels.triton import moe
