@@ -63,7 +63,8 @@ def paged_attention(
     max_query_len: int | None = None, max_seq_len: int | None = None,
     dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope: NewTokens | None = None,
     config: KernelConfig = DEFAULT_KERNELS, quant: tuple[torch.dtype, int] | None = None, early: bool = False,
-) -> "torch.Tensor | QuantRows":
+    partials: bool = False,
+) -> "torch.Tensor | QuantRows | SplitPartials":
     """See module docstring. max_query_len / max_seq_len are upper bounds the GPU path may use
     for launch grids; they must not be exceeded by the data. dense_kv = (new keys, new values)
     as stored, when every sequence of more than one new token starts at position 0: the GPU
@@ -72,7 +73,8 @@ def paged_attention(
     batch (max_query_len 1) has that done by the attention launch (config.fuse_rope), else it runs
     first. quant = (fp8 dtype, head_dim): the output [T, Hq * D] comes quantized for the FP8 o
     projection after (kernels.fp8.QuantRows, one scale a token's head), written so by the GPU kernel. early: the
-    GPU kernel's split merge lets the next launch in before its own PDL wait (kernels.fp8.tma_early)."""
+    GPU kernel's split merge lets the next launch in before its own PDL wait (kernels.fp8.tma_early). partials:
+    where the GPU launch splits K over one token, its SplitPartials instead of the merged output."""
     if rope is not None and not (config.fuse_rope and use_triton(q) and max_query_len == 1 and dense_kv is None):
         q = rotary_store_kvcache(rope.positions, q, rope.k, rope.v, rope.cos_sin_cache, k_cache, v_cache,
                                  rope.slot_mapping, rope.qk_norm, config=config)
@@ -83,7 +85,7 @@ def paged_attention(
         out = paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                      max_query_len, max_seq_len, dense_kv, rope, config.pdl, config.fp8_int_convert,
                                      quant, config.fp8_kv_f16, early,
-                                     config.attention_kv_early)
+                                     config.attention_kv_early, partials)
         return QuantRows(*out, quant[1], q.dtype) if quant else out
     out = paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     return QuantRows(*quantize_rows(out.flatten(1), *quant), quant[1], q.dtype) if quant else out

@@ -55,6 +55,9 @@ class KernelConfig:
     fp8_tma_early: bool = field(default=True, metadata={"help": (
         "the attention's split merge lets that o projection in before its own PDL wait, so the o weight streams "
         "while the attention runs (kernels.fp8.tma_early)")})
+    fp8_tma_merge: bool = field(default=True, metadata={"help": (
+        "at one token, where that o projection's TMA GEMM runs, the attention hands it its split-K partials and each "
+        "GEMM program merges its heads itself, so no merge launch runs between them")})
     fp8_tma_ring: bool = field(default=True, metadata={"help": (
         "at 1 row (a batch-1 decode step; compute capability 9.0 and up) an FP8 linear layer the o projection's TMA "
         "GEMM does not take gets its input written quantized by the kernel ahead (the SiLU-and-mul ahead of "

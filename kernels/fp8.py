@@ -18,7 +18,7 @@ import torch
 from tandem.kernels.activation import silu_and_mul_ref
 from tandem.kernels.backend import use_triton
 from tandem.kernels.config import DEFAULT_KERNELS, KernelConfig
-from tandem.kernels.linear import PendingNorm, decode_rows, can_pend
+from tandem.kernels.linear import PendingNorm, SplitPartials, decode_rows, can_pend
 from tandem.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 
 E4M3 = torch.float8_e4m3fn
@@ -222,7 +222,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
     """fp8_linear_ref's contract; the Triton FP8 GEMM on GPUs with FP8 (config.pdl: the decode tile
     launched with PDL), else the reference (a GPU without FP8 runs the reference too: dequantize
     then matmul). At decode sizes with config.fp8_dense_w8a16: fp8_linear_w8a16_ref's contract, on
-    the bf16 skinny GEMM reading the fp8 weight. x may be QuantRows (quant_ahead): no quantization here."""
+    the bf16 skinny GEMM reading the fp8 weight. x may be QuantRows (quant_ahead): no quantization here; or
+    SplitPartials (takes_partials), merged first here."""
+    if isinstance(x, SplitPartials):
+        x = x.merged()
     if isinstance(x, QuantRows):
         if x.group != (block[1] if block else None) or x.q.dtype != w.dtype:
             raise ValueError(f"fp8_linear: rows quantized in groups of {x.group} ({x.q.dtype}) for a weight "
@@ -307,6 +310,22 @@ def tma_early(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None,
     return config.fp8_tma_early and _tma_gemm(x, w, block, config)
 
 
+def takes_partials(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None,
+                   config: KernelConfig = DEFAULT_KERNELS) -> bool:
+    """Whether one token's decode attention ahead of x @ w.T (the o projection ahead of a pending norm) hands over
+    its split-K partials for the TMA decode GEMM to merge (config.fp8_tma_gemm and fp8_tma_merge; one row; such a
+    GPU; a shape the GEMM takes, of any size: with no merge launch between, the weight streams during the
+    attention itself), instead of the merge launch writing x for the ring form; not where the merge launch lets
+    the TMA GEMM in early (tma_early), where merging in every program costs more than that launch. In the decode
+    step on an H200 (benchmarks/RESULTS.md): Qwen3-30B-A3B (o on the ring without it) 2.036 -> 2.020 ms at b=1;
+    Llama-3-8B (o early on the TMA GEMM without it) 2.536 -> 2.678, so it keeps the merge launch."""
+    if not (config.fp8_tma_gemm and config.fp8_tma_merge and x.shape[0] == 1 and _decode_tile(x, block, config)
+            and _tma_device(x)) or tma_early(x, w, block, config):
+        return False
+    from tandem.kernels.triton import fp8_tma
+    return fp8_tma.supports(x, w, block)
+
+
 def tma_ring(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None,
              config: KernelConfig = DEFAULT_KERNELS, normed: bool = False) -> bool:
     """Whether x's rows [M, K], quantized ahead, @ w.T run on the ring form of the Gluon TMA decode GEMM
@@ -366,8 +385,14 @@ def fp8_linear_add_norm(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: t
                         config: KernelConfig = DEFAULT_KERNELS) -> PendingNorm | None:
     """kernels.linear.linear_add_norm with an fp8 weight: x @ w.T + residual with the RMSNorm after
     it left pending, in one launch of the FP8 decode GEMM; None (nothing run) where that does not
-    apply. x: [T, K] (QuantRows: on the TMA GEMM's ring form, tma_ring); w: [N, K] fp8; residual: [T, N];
-    norm_weight: [N]."""
+    apply. x: [T, K] (QuantRows: on the TMA GEMM's ring form, tma_ring; SplitPartials: on the TMA GEMM, which
+    merges them, takes_partials); w: [N, K] fp8; residual: [T, N]; norm_weight: [N]."""
+    if isinstance(x, SplitPartials):
+        if not (takes_partials(x.rows, w, block, config) and norm_weight.dtype == residual.dtype == x.dtype):
+            return None
+        from tandem.kernels.triton.fp8_tma import fp8_tma_linear
+        s, sg, ss = fp8_tma_linear(x, w, w_scale, residual, norm_weight, pdl=config.pdl)
+        return PendingNorm(s, sg, ss, norm_weight, eps)
     if isinstance(x, QuantRows):
         if not (tma_ring(x.q, w, block, config) and x.group == block[1] and x.q.dtype == w.dtype
                 and norm_weight.dtype == residual.dtype == x.dtype and config.fuse_norms):

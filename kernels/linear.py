@@ -2,6 +2,7 @@
 decode-sized batches on a GPU (kernels/triton/linear.py), which is launched like our other
 kernels (programmatic dependent launch) instead of waiting for the kernel ahead to end."""
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             *x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
+
+
+@dataclass
+class SplitPartials:
+    """A decode step's attention output left as its split-K partials, for a consumer that merges them itself (the
+    FP8 o projection's TMA GEMM at one token, kernels/triton/fp8_tma.py MERGE): acc [T, Hq, S, D] and ml [T, Hq, S,
+    2] (running max in log2 units, sum) float32, seq_lens [num_seqs], block_n the launch's key tile (with S and
+    seq_lens it gives the splits that have keys); merged() runs the split merge instead ([T, Hq * D] in dtype)."""
+    acc: torch.Tensor
+    ml: torch.Tensor
+    seq_lens: torch.Tensor
+    block_n: int
+    dtype: torch.dtype
+    merged: "Callable[[], torch.Tensor]"
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """An empty stand-in [T, Hq * D] of the merged rows (shape, dtype and device only)."""
+        t, hq, _, d = self.acc.shape
+        return self.acc.new_empty((), dtype=self.dtype).expand(t, hq * d)
 
 
 @dataclass

@@ -7,11 +7,13 @@ from torch import nn
 from tandem.engine.forward_context import ForwardContext
 from tandem.kernels import KernelConfig, paged_attention, rotary_store_kvcache, store_kvcache
 from tandem.kernels.attention import NewTokens
+from tandem.kernels.linear import SplitPartials
 
 
 class Attention(nn.Module):
     quant_spec: Callable[[torch.Tensor], tuple | None] | None = None  # the FP8 o projection's quant_ahead
     early_spec: Callable[[torch.Tensor], bool] | None = None  # the FP8 o projection's tma_early
+    partials_spec: Callable[[torch.Tensor], bool] | None = None  # the FP8 o projection's takes_partials
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
                  kernels: KernelConfig):
@@ -43,11 +45,14 @@ class Attention(nn.Module):
             rope = NewTokens(positions, k, v, cos_sin_cache, ctx.slot_mapping, qk_norm)
         if ctx.on_layer_stored is not None:
             ctx.on_layer_stored(self.layer_idx)
-        quant = self.quant_out(q)
+        rows = q.new_empty(()).expand(q.shape[0], self.num_heads * self.head_dim)
+        partials = self.partials_spec is not None and self.partials_spec(rows)
+        quant = None if partials else self.quant_out(q)
         out = paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens,
                               ctx.query_start_loc, self.scale, ctx.max_query_len, ctx.max_seq_len,
-                              (k, v) if dense else None, rope, self.kernels, quant, early=self.early_out(q))
-        return out if quant else out.flatten(1)
+                              (k, v) if dense else None, rope, self.kernels, quant, early=self.early_out(q),
+                              partials=partials)
+        return out if quant or isinstance(out, SplitPartials) else out.flatten(1)
 
     def early_out(self, q: torch.Tensor) -> bool:
         """Whether this step's split merge lets the o projection's launch in before its own PDL wait (the FP8

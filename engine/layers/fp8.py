@@ -25,7 +25,7 @@ from tandem.engine.layers.norm import DeferredOutput
 from tandem.kernels.ep import NoDispatch
 from tandem.kernels.fp8 import (E4M3, QuantRows, e4m3fn_to_fnuz, fp8_decode_rows, fp8_dtype, fp8_linear,
                                fp8_linear_add_norm, fp8_linear_normed, fused_experts_fp8, quant_ahead, quantize_weight,
-                               ring_experts, ring_router, tma_early)
+                               ring_experts, ring_router, takes_partials, tma_early)
 from tandem.kernels.linear import PendingNorm
 
 logger = logging.getLogger(__name__)
@@ -135,6 +135,12 @@ class Fp8Linear:
         where this layer runs as _fp8_add_norm would run it."""
         return (getattr(self, "norm_after", False) and self._may_add_norm()
                 and tma_early(x, self.weight, self.fp8_block, self.kernels))
+
+    def takes_partials(self, x: torch.Tensor) -> bool:
+        """Whether the attention producing this layer's input rows x hands over its split-K partials, merged by this
+        layer's TMA GEMM (kernels.fp8.takes_partials), where this layer runs as _fp8_add_norm would run it."""
+        return (getattr(self, "norm_after", False) and self._may_add_norm()
+                and takes_partials(x, self.weight, self.fp8_block, self.kernels))
 
     def _may_add_norm(self) -> bool:
         """Whether this layer may carry the norm after it (_fp8_add_norm): one rank (with tensor parallel the
@@ -297,6 +303,7 @@ def link_quantized_inputs(model: nn.Module) -> int:
                 linked += 1
             if isinstance(consumer, Fp8Linear) and hasattr(producer, "early_spec"):
                 producer.early_spec = consumer.tma_early
+                producer.partials_spec = consumer.takes_partials
     return linked
 
 

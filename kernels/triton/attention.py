@@ -576,8 +576,8 @@ def paged_attention_triton(
     max_query_len: int | None = None, max_seq_len: int | None = None,
     dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope: "NewTokens | None" = None,
     pdl: bool = True, int_convert: bool = True, quant: tuple[torch.dtype, int] | None = None,
-    kv_f16: bool = True, early: bool = False, kv_early: bool = True,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    kv_f16: bool = True, early: bool = False, kv_early: bool = True, partials: bool = False,
+) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor] | SplitPartials":
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hk, D]; block_tables: [S, max_blocks] int32;
     seq_lens: [S] (context incl. the new tokens); query_start_loc: [S+1]. Returns [T, Hq, D].
 
@@ -597,17 +597,19 @@ def paged_attention_triton(
     early: the split merge lets the next launch in before its own PDL wait (kernels.fp8.tma_early).
     kv_early: with rope, where the launch plan has KV_EARLY (split-K over an fp8 cache), each program reads its
     last K/V tile before its PDL wait.
+    partials: one token whose launch splits K (quant None): kernels.linear.SplitPartials, the merge not launched.
     """
     return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                             max_query_len, max_seq_len, dense_kv=dense_kv, rope=rope, pdl=pdl,
-                            int_convert=int_convert, quant=quant, kv_f16=kv_f16, early=early, kv_early=kv_early)
+                            int_convert=int_convert, quant=quant, kv_f16=kv_f16, early=early, kv_early=kv_early,
+                            partials=partials)
 
 
 def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                      max_query_len=None, max_seq_len=None, plan: dict | None = None,
                      dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope=None,
                      pdl: bool = True, int_convert: bool = True, quant=None, kv_f16: bool = True,
-                     early: bool = False, kv_early: bool = True):
+                     early: bool = False, kv_early: bool = True, partials: bool = False):
     """paged_attention_triton with an optional explicit launch plan (benchmark sweeps)."""
     num_tokens, num_heads, head_dim = q.shape
     if quant is not None and quant[1] != head_dim:
@@ -681,9 +683,16 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             **({"maxnreg": p["maxnreg"]} if p.get("maxnreg") else {}),
         )
         if splits > 1:
-            _merge_splits_kernel[(num_tokens, num_heads)](
-                out, part_acc, part_ml, query_start_loc, seq_lens, num_seqs, p["Q_RANGE"][1], head_dim,
-                out.stride(0), out.stride(1), *quant_args, NUM_SPLITS=splits, D_PAD=d_pad, BLOCK_Q=block_q,
-                BLOCK_N=p["BLOCK_N"], QUANT_OUT=quant is not None, EARLY=early, num_warps=4, **launch_args(q, pdl),
-            )
+            def merge(part_acc=part_acc, part_ml=part_ml, p=p, block_q=block_q, splits=splits, early=early):
+                _merge_splits_kernel[(num_tokens, num_heads)](
+                    out, part_acc, part_ml, query_start_loc, seq_lens, num_seqs, p["Q_RANGE"][1], head_dim,
+                    out.stride(0), out.stride(1), *quant_args, NUM_SPLITS=splits, D_PAD=d_pad, BLOCK_Q=block_q,
+                    BLOCK_N=p["BLOCK_N"], QUANT_OUT=quant is not None, EARLY=early, num_warps=4,
+                    **launch_args(q, pdl))
+                return result
+            if partials and num_tokens == 1 and len(plans) == 1 and quant is None:
+                from tandem.kernels.linear import SplitPartials
+                return SplitPartials(part_acc, part_ml, seq_lens, p["BLOCK_N"], q.dtype,
+                                     lambda: merge(early=False).flatten(1))
+            merge()
     return result

@@ -32,6 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from tandem.kernels.linear import SplitPartials
 from tandem.kernels.triton.device import MAX_TICKETS, num_sms, tickets
 from tandem.kernels.triton.linear import MAX_ROWS
 from tandem.kernels.triton.pdl import launch_args
@@ -52,7 +53,8 @@ def _pick(v, i: gl.constexpr, layout: gl.constexpr):
 def _fp8_tma_kernel(w_desc, x_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, res_ptr, g_ptr, sg_ptr, ss_ptr,
                     M, N, stride_xm, stride_ws, stride_om, stride_rm, stride_gm, fp8_max,
                     TILES: gl.constexpr, SPLIT: gl.constexpr, NORM_OUT: gl.constexpr, PDL: gl.constexpr,
-                    num_warps: gl.constexpr, BM_: gl.constexpr = 16):
+                    num_warps: gl.constexpr, BM_: gl.constexpr = 16, pacc_ptr=None, pml_ptr=None, seq_lens_ptr=None,
+                    MERGE: gl.constexpr = 0, KV_BLOCK: gl.constexpr = 0):
     BN_: gl.constexpr = w_desc.block_type.shape[0]
     BK_: gl.constexpr = w_desc.block_type.shape[1]
     KP: gl.constexpr = TILES * BK_
@@ -79,28 +81,36 @@ def _fp8_tma_kernel(w_desc, x_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, res_pt
     g = gl.zeros([BN_], gl.float32, gl.SliceLayout(1, mma))
     if NORM_OUT:
         g = gl.load(g_ptr + rn, mask=rn < N, other=0.0).to(gl.float32)
+    ctx = 0
+    if MERGE > 0:
+        ctx = gl.load(seq_lens_ptr)  # (step metadata)
     if PDL:  # (kernels/triton/pdl.py's wait_previous)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
     # after the wait, every load at once: x (all of the program's K share) and the epilogue's residual
     xl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-    xr = gl.arange(0, BM_, layout=gl.SliceLayout(1, xl))
-    xc = gl.arange(0, KP, layout=gl.SliceLayout(0, xl))
-    xall = gl.load(x_ptr + xr[:, None] * stride_xm + kb0 * BK_ + xc[None, :], mask=(xr < M)[:, None], other=0.0)
     r = gl.zeros([BN_, BM_], gl.float32, mma)
     if NORM_OUT:
         r = gl.load(res_ptr + rm[None, :] * stride_rm + rn[:, None], mask=mask, other=0.0).to(gl.float32)
-    # x staged in shared memory, each K tile's rows quantized (fp8 rows for the wgmma, their scales beside), one
-    # barrier for all tiles
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    xb_smem = gl.allocate_shared_memory(xall.dtype, [BM_, KP], plain, xall)
     x8_smem = gl.allocate_shared_memory(w_desc.dtype, [TILES, BM_, BK_],
                                         gl.NVMMASharedLayout.get_default_for([BM_, BK_], w_desc.dtype))
     xs_smem = gl.allocate_shared_memory(gl.float32, [TILES * BM_], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    CTA_BARRIER()
+    if MERGE == 0:
+        # x staged in shared memory, each K tile's rows quantized (fp8 rows for the wgmma, their scales beside),
+        # one barrier for all tiles
+        xr = gl.arange(0, BM_, layout=gl.SliceLayout(1, xl))
+        xc = gl.arange(0, KP, layout=gl.SliceLayout(0, xl))
+        xall = gl.load(x_ptr + xr[:, None] * stride_xm + kb0 * BK_ + xc[None, :], mask=(xr < M)[:, None], other=0.0)
+        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        xb_smem = gl.allocate_shared_memory(xall.dtype, [BM_, KP], plain, xall)
+        CTA_BARRIER()
     for i in gl.static_range(TILES):
-        xt = xb_smem.slice(i * BK_, BK_, dim=1).load(xl).to(gl.float32)
+        if MERGE > 0:  # K tile i is head kb0 + i of the one token: merged here from the attention's splits
+            xt = _merged_head(pacc_ptr, pml_ptr, kb0 + i, ctx, out_ptr.dtype.element_ty, MERGE, KV_BLOCK, BM_, BK_,
+                              xl, num_warps)
+        else:
+            xt = xb_smem.slice(i * BK_, BK_, dim=1).load(xl).to(gl.float32)
         s = gl.maximum(gl.max(gl.abs(xt), axis=1) / fp8_max, 1e-12)
         x8_smem.index(i).store(gl.minimum(gl.maximum(xt / s[:, None], -fp8_max), fp8_max).to(w_desc.dtype))
         xs_smem.slice(i * BM_, BM_).store(s)
@@ -118,6 +128,30 @@ def _fp8_tma_kernel(w_desc, x_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, res_pt
 
     _finish(acc, out_ptr, part_ptr, ticket_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, pid_k, N, stride_om,
             stride_gm, SPLIT, NORM_OUT)
+
+
+@gluon.jit
+def _merged_head(pacc_ptr, pml_ptr, h, ctx, dtype: gl.constexpr, S: gl.constexpr, KV_BLOCK: gl.constexpr,
+                 BM_: gl.constexpr, BK_: gl.constexpr, xl: gl.constexpr, num_warps: gl.constexpr):
+    """Head h [BK_] of one decode token's attention output, merged from its S split-K partials (pacc [Hq, S, BK_],
+    pml [Hq, S, 2] float32) as kernels/triton/attention.py's _merge_splits_kernel merges them (the splits with keys:
+    those below a context of ctx keys cut in chunks of KV_BLOCK-key tiles) and rounded to dtype as it writes them;
+    returned as row 0 of a [BM_, BK_] float32 tile in layout xl, the other rows 0."""
+    pl: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
+    sp = gl.arange(0, S, layout=gl.SliceLayout(1, pl))
+    d = gl.arange(0, BK_, layout=gl.SliceLayout(0, pl))
+    chunk = ((ctx + S - 1) // S + KV_BLOCK - 1) // KV_BLOCK * KV_BLOCK
+    live = sp * chunk < ctx
+    part = h * S + sp
+    m = gl.load(pml_ptr + part * 2, mask=live, other=float("-inf"))
+    lsum = gl.load(pml_ptr + part * 2 + 1, mask=live, other=0.0)
+    a = gl.load(pacc_ptr + part[:, None] * BK_ + d[None, :], mask=live[:, None], other=0.0)
+    w = gl.where(m == float("-inf"), 0.0, gl.exp2(m - gl.max(m, axis=0)))
+    den = gl.sum(w * lsum, axis=0)
+    row = (gl.sum(a * w[:, None], axis=0) / gl.where(den == 0.0, 1.0, den)).to(dtype).to(gl.float32)
+    row = gl.convert_layout(row, gl.SliceLayout(0, xl))
+    xr = gl.arange(0, BM_, layout=gl.SliceLayout(1, xl))
+    return gl.where((xr == 0)[:, None], row[None, :], 0.0)
 
 
 @gluon.jit
@@ -366,11 +400,18 @@ def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, resi
     """kernels.fp8.fp8_linear_ref for x [M <= 16, K] bf16/fp16, w [N, K] e4m3 with w_scale [N / 128, K / 128]
     (supports()). With residual [M, N] and norm_weight [N]: (s = x @ w.T + residual, sg = s * norm_weight,
     ss [16, N / 128] float32 the strips' sums of squares of s's rows), as fp8_skinny_add_norm_triton; else
-    (out, out, out). split: K shares a strip (default split_for)."""
+    (out, out, out). split: K shares a strip (default split_for). x may be one token's decode attention output
+    left as its split-K partials (kernels.linear.SplitPartials, heads of 128): each program merges its K share's
+    heads itself (MERGE), so no merge launch runs between the attention and this GEMM."""
+    parts = x if isinstance(x, SplitPartials) else None
+    if parts is not None:
+        if parts.acc.shape[-1] != BK or parts.acc.shape[0] != 1:
+            raise ValueError(f"fp8_tma_linear: partials of one token and heads of {BK}, got {tuple(parts.acc.shape)}")
+        x = parts.rows
     m, k = x.shape
     n = w.shape[0]
     split = split or split_for(n, k, num_sms(x.device))
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    x = x if x.stride(-1) == 1 or parts is not None else x.contiguous()
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     norm = residual is not None
     sg = torch.empty_like(out) if norm else out
@@ -381,9 +422,12 @@ def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, resi
     res, g = (residual, norm_weight) if norm else (out, out)
     w_scale = w_scale.contiguous()
     _fp8_tma_kernel[(n // BN, split)](
-        _w_desc(w), x, w_scale, out, part, tickets(x.device), res, g, sg, ss, m, n, x.stride(0), w_scale.stride(0),
+        _w_desc(w), out if parts is not None else x, w_scale, out, part, tickets(x.device), res, g, sg, ss, m, n,
+        0 if parts is not None else x.stride(0), w_scale.stride(0),
         out.stride(0), res.stride(0), sg.stride(0), float(torch.finfo(w.dtype).max), TILES=k // BK // split,
-        SPLIT=split, NORM_OUT=norm, num_warps=4, BM_=rows_for(m, n, k), **launch_args(x, pdl))
+        SPLIT=split, NORM_OUT=norm, num_warps=4, BM_=rows_for(m, n, k),
+        **(dict(pacc_ptr=parts.acc, pml_ptr=parts.ml, seq_lens_ptr=parts.seq_lens, MERGE=parts.acc.shape[2],
+                KV_BLOCK=parts.block_n) if parts is not None else {}), **launch_args(out, pdl))
     return out, sg, ss
 
 
@@ -398,12 +442,17 @@ RING_MAX_ROWS = 1
 RING_FIXED_SMEM = 2048  # the barriers and the compiler's scratch (a layout conversion, a reduction)
 MAX_STAGES = 8
 # Measured plans: (N, K) -> {"SPLIT": s, "STAGES": t}, where one beat ring_plan's rule in a decode step
-# (benchmarks.ab_decode plans=F, F a walk {"what": "tma ring (N, K)", "best": {...}}).
+# (benchmarks.ab_decode plans=F, F a walk {"what": "tma ring (N, K)", "best": {...}}); (H, I, top_k) -> {"STAGES":
+# t} for the experts' ring w2 (fp8_tma_ring_experts).
 RING_PLANS: dict[tuple[int, int], dict] = {
     # Qwen3-30B-A3B's ring w13 (8 experts' 1536 x 2048 side by side): 5 stages, not the rule's 6 (4: no change); the
     # b=1 step on an H200 2.095 -> 2.085 ms in every round, tokens equal (RESULTS.md, thirtieth session). Also a dense
     # 12288 x 2048 on the ring (Qwen3-1.7B's gate_up), not measured there.
     (12288, 2048): {"SPLIT": 2, "STAGES": 5},
+    # Qwen3-30B-A3B's experts' w2 (8 experts' 2048 x 768, one K share an expert): 4 stages, not the rule's 6; the
+    # b=1 step on an H200 2.006 -> 1.990 ms in every round, tokens equal (3 stages 2.048, 2 stages 2.122; RESULTS.md,
+    # thirty-second session)
+    (2048, 768, 8): {"STAGES": 4},
 }
 
 
@@ -546,10 +595,11 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
     res, g = (residual, norm_weight) if norm else (out, out)
     s2 = w2_scale.reshape(e * h // BN, -1)
     tiles = inter // BK
+    w2_stages = RING_PLANS.get((h, inter, top_k), {}).get("STAGES", _ring_stages(h // BN * top_k, tiles, num_sms(dev)))
     _fp8_tma_ring_kernel[(h // BN, top_k)](
         _w_desc(w2.view(e * h, inter)), _x_desc(aq), a_s, s2, out, part, tickets(dev), res, g, sg, ss, out, 1, h,
         inter, a_s.stride(0), s2.stride(0), out.stride(0), res.stride(0), sg.stride(0), 1, 0.0, ids, topk_w,
-        TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=_ring_stages(h // BN * top_k, tiles, num_sms(dev)),
+        TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=min(w2_stages, tiles),
         SPLIT=top_k, NORM_OUT=norm, NORM_IN=False,
         S_PAD=1, num_warps=4, EXPERT_SHARES=True, **launch_args(aq, pdl))
     return out, sg, ss

@@ -108,7 +108,7 @@ def test_fp8_tma_o_projection_gpu(tmp_path, monkeypatch, ring):
     monkeypatch.setattr(fp8_tma, "fp8_tma_ring_linear",
                         lambda *a, **k: rings.append("norm_in" in k) or ring_launch(*a, **k))
     monkeypatch.setattr(attention, "paged_attention",
-                        lambda *a, early: earlies.append(early) or attend(*a, early=early))
+                        lambda *a, early, **k: earlies.append(early) or attend(*a, early=early, **k))
     # ring, intermediate 512: gate_up (1024 x 4096) on a Triton plan that quantizes ahead (1024's takes a plan
     # that quantizes in the GEMM), down (4096 x 512) on the ring's rule
     cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=4096, num_hidden_layers=2, num_attention_heads=32,
@@ -148,14 +148,20 @@ def test_fp8_ring_experts_gpu(tmp_path, monkeypatch):
     """--fp8-tma-ring-moe (kernels/triton/fp8_tma.py fp8_tma_ring_experts) on a two-layer Qwen3-MoE with
     Qwen3-30B-A3B's expert shapes (hidden 2048, 768 an expert, top 8; 16 experts) and (128, 128) blocks, in 1-row
     decode steps: every decode step's logprob of the token it chose, in CUDA graphs and eager, against HF on the
-    dequantized weights fed the same tokens; the graphs' tokens equal eager's; eager decode ran the ring experts."""
+    dequantized weights fed the same tokens; the graphs' tokens equal eager's; eager decode ran the ring experts,
+    and over the 300-token prompt (contexts the attention splits) the o projection's TMA GEMM merging the
+    attention's split-K partials (--fp8-tma-merge: its 8 MiB weight is not let in early)."""
     import transformers
 
+    from tandem.kernels.linear import SplitPartials
     from tandem.kernels.triton import fp8_tma
     fp8_gpu_dtype()
-    calls = []
-    launch = fp8_tma.fp8_tma_ring_experts
+    calls, merged = [], []
+    launch, o_launch = fp8_tma.fp8_tma_ring_experts, fp8_tma.fp8_tma_linear
     monkeypatch.setattr(fp8_tma, "fp8_tma_ring_experts", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    monkeypatch.setattr(fp8_tma, "fp8_tma_linear",
+                        lambda x, *a, **k: merged.append(isinstance(x, SplitPartials)) or o_launch(x, *a, **k))
+    prompts = PROMPTS + [[int(t) for t in torch.randint(3, 300, (300,), generator=torch.Generator().manual_seed(5))]]
     cfg = transformers.Qwen3MoeConfig(vocab_size=320, hidden_size=2048, num_hidden_layers=2, num_attention_heads=32,
                                       num_key_value_heads=4, head_dim=128, intermediate_size=768,
                                       moe_intermediate_size=768, num_experts=16, num_experts_per_tok=8,
@@ -171,11 +177,11 @@ def test_fp8_ring_experts_gpu(tmp_path, monkeypatch):
         llm = LLM(str(tmp_path / "fp8"), device="cuda", compile_ahead=False, dtype="bfloat16", block_size=16,
                   kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False, enforce_eager=eager,
                   max_model_len=512, max_num_seqs=1, max_num_batched_tokens=512)
-        calls.clear()
-        outs = llm.generate(PROMPTS, params)
-        assert calls or not eager  # (graphs captured the launches at start-up)
+        calls.clear(), merged.clear()
+        outs = llm.generate(prompts, params)
+        assert (calls and any(merged)) or not eager  # (graphs captured the launches at start-up)
         tokens[eager] = [o.token_ids for o in outs]
-        for prompt, out in zip(PROMPTS, outs):
+        for prompt, out in zip(prompts, outs):
             with torch.no_grad():
                 lp = ref(torch.tensor([prompt + out.token_ids])).logits[0].float().log_softmax(-1)
             for j in range(1, len(out.token_ids)):  # (token 0 comes from the prefill)

@@ -58,7 +58,7 @@ def test_early_only_where_the_o_weight_outlasts_the_merge(monkeypatch):
     assert layer.attn.early_out(torch.empty(1, 32, 128, dtype=torch.bfloat16))
 
 
-def _compile(tiles: int, split: int, norm: bool, pdl: bool, rows: int = 16):
+def _compile(tiles: int, split: int, norm: bool, pdl: bool, rows: int = 16, merge: int = 0):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -66,9 +66,10 @@ def _compile(tiles: int, split: int, norm: bool, pdl: bool, rows: int = 16):
     from tandem.kernels.triton.fp8_tma import _fp8_tma_kernel, _w_desc
     w = torch.empty(4096, 4096, dtype=torch.float8_e4m3fn)
     ptrs = dict(x_ptr="*bf16", ws_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32", res_ptr="*bf16",
-                g_ptr="*bf16", sg_ptr="*bf16", ss_ptr="*fp32")
+                g_ptr="*bf16", sg_ptr="*bf16", ss_ptr="*fp32", pacc_ptr="*fp32", pml_ptr="*fp32", seq_lens_ptr="*i32")
     ints = ("M", "N", "stride_xm", "stride_ws", "stride_om", "stride_rm", "stride_gm")
-    consts = dict(TILES=tiles, SPLIT=split, NORM_OUT=norm, PDL=pdl, num_warps=4, BM_=rows)
+    consts = dict(TILES=tiles, SPLIT=split, NORM_OUT=norm, PDL=pdl, num_warps=4, BM_=rows, MERGE=merge,
+                  KV_BLOCK=128)
     sig = {"w_desc": _w_desc(w).__mangle__(), **ptrs, **{n: "i32" for n in ints}, "fp8_max": "fp32",
            **{n: "constexpr" for n in consts}}
     return triton.compile(GluonASTSource(_fp8_tma_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
@@ -86,6 +87,50 @@ def test_compiles_with_every_weight_tile_before_the_wait(tiles, split, norm, row
     assert ("atom.global" in ptx or "atom.acq_rel" in ptx) == (split > 1)  # the split-K ticket
     assert compiled.metadata.shared <= 227 * 1024
     assert "griddepcontrol" not in _compile(tiles, split, norm, pdl=False).asm["ptx"]
+
+
+def test_merging_programs_read_partials_not_x():
+    """MERGE (one token's attention partials, 8 splits): no x staged in shared memory (less of it than the plain
+    8-row program), the context length read before the wait, each head's split weights by exp2."""
+    plain, merging = _compile(4, 8, True, pdl=True, rows=8), _compile(4, 8, True, pdl=True, rows=8, merge=8)
+    assert merging.metadata.shared < plain.metadata.shared
+    ptx = merging.asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    assert "ld.global" in ptx[:wait] and "ex2.approx" in ptx[wait:] and "ex2.approx" not in plain.asm["ptx"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctx", [1024, 300, 17])
+def test_merging_programs_match_the_merge_launch_gpu(ctx):
+    """The o projection's TMA GEMM on one token's decode attention partials (kernels.linear.SplitPartials; the
+    8B's heads, 32 x 128, over an fp8 cache, contexts whose splits all, some or one have keys) against the same
+    GEMM on the merge launch's output, and that against fp8_linear_ref."""
+    from tandem.kernels.linear import SplitPartials
+    from tandem.kernels.fp8 import fp8_linear_ref
+    from tandem.kernels.triton.attention import paged_attention_triton
+    from tandem.kernels.triton.fp8_tma import fp8_tma_linear
+    g, w, ws, _ = hopper_block_case(1, 4096, 4096)
+    blocks = ctx // 16 + 2
+    kc = (torch.randn(blocks, 16, 8, 128, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn)
+    vc = torch.randn(blocks, 16, 8, 128, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    q = torch.randn(1, 32, 128, device="cuda", generator=g).to(torch.bfloat16)
+    bt = torch.randperm(blocks, device="cuda", dtype=torch.int32, generator=g)[None]
+    seq_lens = torch.tensor([ctx], device="cuda", dtype=torch.int32)
+    qsl = torch.tensor([0, 1], device="cuda", dtype=torch.int32)
+    parts = paged_attention_triton(q, kc, vc, bt, seq_lens, qsl, 0.08, 1, 2048, partials=True)
+    assert isinstance(parts, SplitPartials) and parts.acc.shape[2] > 1
+    rows = parts.merged()
+    assert torch.equal(rows, paged_attention_triton(q, kc, vc, bt, seq_lens, qsl, 0.08, 1, 2048).flatten(1))
+    res = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    gamma = torch.randn(4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    want = fp8_tma_linear(rows, w, ws, res, gamma)
+    got = fp8_tma_linear(parts, w, ws, res, gamma)
+    ref = (fp8_linear_ref(rows, w, ws, (128, 128)).float() + res.float()).to(torch.bfloat16)
+    for a, b, tol in ((got[0], want[0], 2e-3), (got[0], ref, 1e-2), (got[1], want[1], 2e-3)):
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < tol
+    assert torch.allclose(got[2][:1], want[2][:1], rtol=1e-3) and not got[2][1:].any()
+    from tandem.kernels.triton.device import tickets
+    assert not tickets(q.device).any()
 
 
 def test_o_programs_of_8_rows_fit_two_beside_an_attention_program():
