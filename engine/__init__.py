@@ -10,21 +10,26 @@ import sys
 
 from tandem.engine.sampling_params import SamplingParams
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+def _checkout_root(path: str) -> bool:
+    """Whether a sys.path entry is a Tandem checkout's root (this one's or another's: tandem installed from one,
+    run from the other), whose kernels/ folder is tandem.kernels."""
+    root = os.path.realpath(path or os.curdir)  # (through links: scripts/device/setup.sh links the parts)
+    return os.path.isfile(os.path.join(root, "kernels", "config.py")) and os.path.isfile(
+        os.path.join(root, "engine", "llm.py"))
 
 
 class _HubKernelsFinder(importlib.abc.MetaPathFinder):
     """Run from a source checkout's root (python -m pytest, python -m benchmarks.X, `python -m tandem.server`
     there), the root is on sys.path and its kernels/ folder (tandem.kernels) shadows Hugging Face's `kernels`
     package, which transformers imports by that name where it is installed (5.25 and up require it), failing on
-    our folder. This finder, first on sys.meta_path, finds top-level `kernels` on sys.path without the root (only
-    when it is imported: a router loads no torch); where that finds nothing, the usual finders go on."""
+    our folder. This finder, first on sys.meta_path, finds top-level `kernels` on sys.path without checkout roots
+    (only when it is imported: a router loads no torch); where that finds nothing, the usual finders go on."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "kernels":
             return None
-        return importlib.machinery.PathFinder.find_spec(
-            name, [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT])
+        return importlib.machinery.PathFinder.find_spec(name, [p for p in sys.path if not _checkout_root(p)])
 
 
 if not any(isinstance(f, _HubKernelsFinder) for f in sys.meta_path):
