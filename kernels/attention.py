@@ -4,12 +4,14 @@ One call serves prefill, chunked prefill and decode: a batch is a flat run of
 query tokens, sequence s owning q[query_start_loc[s]:query_start_loc[s+1]],
 which are the *last* tokens of its seq_lens[s] tokens of context (causal).
 """
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from tandem.kernels.backend import use_triton
 from tandem.kernels.config import DEFAULT_KERNELS, KernelConfig
+from tandem.kernels.linear import SplitPartials
 from tandem.kernels.rotary import rotary_store_kvcache
 
 
@@ -74,7 +76,8 @@ def paged_attention(
     first. quant = (fp8 dtype, head_dim): the output [T, Hq * D] comes quantized for the FP8 o
     projection after (kernels.fp8.QuantRows, one scale a token's head), written so by the GPU kernel. early: the
     GPU kernel's split merge lets the next launch in before its own PDL wait (kernels.fp8.tma_early). partials:
-    where the GPU launch splits K over one token, its SplitPartials instead of the merged output."""
+    where the GPU launch splits K over one token, its SplitPartials instead of the merged output (merged(): the
+    rows [1, Hq * D], or with quant their QuantRows); where it does not split, the output as without it."""
     if rope is not None and not (config.fuse_rope and use_triton(q) and max_query_len == 1 and dense_kv is None):
         q = rotary_store_kvcache(rope.positions, q, rope.k, rope.v, rope.cos_sin_cache, k_cache, v_cache,
                                  rope.slot_mapping, rope.qk_norm, config=config)
@@ -86,6 +89,9 @@ def paged_attention(
                                      max_query_len, max_seq_len, dense_kv, rope, config.pdl, config.fp8_int_convert,
                                      quant, config.fp8_kv_f16, early,
                                      config.attention_kv_early, partials)
+        if isinstance(out, SplitPartials):  # merged(): what the o projection takes without partials
+            merged = out.merged
+            return dataclasses.replace(out, merged=lambda: QuantRows(*merged(), quant[1], q.dtype) if quant else merged())
         return QuantRows(*out, quant[1], q.dtype) if quant else out
     out = paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     return QuantRows(*quantize_rows(out.flatten(1), *quant), quant[1], q.dtype) if quant else out

@@ -47,7 +47,7 @@ class Attention(nn.Module):
             ctx.on_layer_stored(self.layer_idx)
         rows = q.new_empty(()).expand(q.shape[0], self.num_heads * self.head_dim)
         partials = self.partials_spec is not None and self.partials_spec(rows)
-        quant = None if partials else self.quant_out(q)
+        quant = self.quant_out(q)  # (with partials: where the launch does not split)
         out = paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens,
                               ctx.query_start_loc, self.scale, ctx.max_query_len, ctx.max_seq_len,
                               (k, v) if dense else None, rope, self.kernels, quant, early=self.early_out(q),

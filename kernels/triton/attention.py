@@ -597,7 +597,8 @@ def paged_attention_triton(
     early: the split merge lets the next launch in before its own PDL wait (kernels.fp8.tma_early).
     kv_early: with rope, where the launch plan has KV_EARLY (split-K over an fp8 cache), each program reads its
     last K/V tile before its PDL wait.
-    partials: one token whose launch splits K (quant None): kernels.linear.SplitPartials, the merge not launched.
+    partials: one token whose launch splits K: kernels.linear.SplitPartials, the merge not launched (its merged():
+    the rows [1, Hq * D], or with quant what the launch returns, (q8, q8s)); else as without it.
     """
     return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                             max_query_len, max_seq_len, dense_kv=dense_kv, rope=rope, pdl=pdl,
@@ -690,9 +691,9 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
                     BLOCK_N=p["BLOCK_N"], QUANT_OUT=quant is not None, EARLY=early, num_warps=4,
                     **launch_args(q, pdl))
                 return result
-            if partials and num_tokens == 1 and len(plans) == 1 and quant is None:
+            if partials and num_tokens == 1 and len(plans) == 1:
                 from tandem.kernels.linear import SplitPartials
                 return SplitPartials(part_acc, part_ml, seq_lens, p["BLOCK_N"], q.dtype,
-                                     lambda: merge(early=False).flatten(1))
+                                     lambda: merge(early=False) if quant else merge(early=False).flatten(1))
             merge()
     return result
