@@ -44,13 +44,14 @@ class SplitPartials:
     """A decode step's attention output left as its split-K partials, for a consumer that merges them itself (the
     FP8 o projection's TMA GEMM at one token, kernels/triton/fp8_tma.py MERGE): acc [T, Hq, S, D] and ml [T, Hq, S,
     2] (running max in log2 units, sum) float32, seq_lens [num_seqs], block_n the launch's key tile (with S and
-    seq_lens it gives the splits that have keys); merged() runs the split merge instead ([T, Hq * D] in dtype)."""
+    seq_lens it gives the splits that have keys); merged() runs the split merge instead and returns what the
+    attention would have ([T, Hq * D] in dtype, or with quant its quantized rows)."""
     acc: torch.Tensor
     ml: torch.Tensor
     seq_lens: torch.Tensor
     block_n: int
     dtype: torch.dtype
-    merged: "Callable[[], torch.Tensor]"
+    merged: Callable[[], object]
 
     @property
     def rows(self) -> torch.Tensor:

@@ -45,20 +45,27 @@ class Attention(nn.Module):
             rope = NewTokens(positions, k, v, cos_sin_cache, ctx.slot_mapping, qk_norm)
         if ctx.on_layer_stored is not None:
             ctx.on_layer_stored(self.layer_idx)
-        rows = q.new_empty(()).expand(q.shape[0], self.num_heads * self.head_dim)
-        partials = self.partials_spec is not None and self.partials_spec(rows)
         quant = self.quant_out(q)  # (with partials: where the launch does not split)
         out = paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens,
                               ctx.query_start_loc, self.scale, ctx.max_query_len, ctx.max_seq_len,
                               (k, v) if dense else None, rope, self.kernels, quant, early=self.early_out(q),
-                              partials=partials)
+                              partials=self.partials_out(q))
         return out if quant or isinstance(out, SplitPartials) else out.flatten(1)
+
+    def _out_rows(self, q: torch.Tensor) -> torch.Tensor:
+        """An empty stand-in [T, Hq * D] of this step's output rows (shape, dtype and device only), as the o
+        projection's specs take them."""
+        return q.new_empty(()).expand(q.shape[0], self.num_heads * self.head_dim)
 
     def early_out(self, q: torch.Tensor) -> bool:
         """Whether this step's split merge lets the o projection's launch in before its own PDL wait (the FP8
         o projection's tma_early, linked as early_spec by engine/layers/fp8.py)."""
-        return self.early_spec is not None and self.early_spec(
-            q.new_empty(()).expand(q.shape[0], self.num_heads * self.head_dim))
+        return self.early_spec is not None and self.early_spec(self._out_rows(q))
+
+    def partials_out(self, q: torch.Tensor) -> bool:
+        """Whether this step hands the o projection its split-K partials where the launch splits K (the FP8 o
+        projection's takes_partials, linked as partials_spec by engine/layers/fp8.py)."""
+        return self.partials_spec is not None and self.partials_spec(self._out_rows(q))
 
     def quant_out(self, q: torch.Tensor) -> tuple | None:
         """(fp8 dtype, head_dim) where the FP8 o projection after takes this step's output [T, Hq * D]
@@ -66,5 +73,5 @@ class Attention(nn.Module):
         block must be one head), else None."""
         if self.quant_spec is None:
             return None
-        spec = self.quant_spec(q.new_empty(()).expand(q.shape[0], self.num_heads * self.head_dim))
+        spec = self.quant_spec(self._out_rows(q))
         return spec if spec is not None and spec[1] == self.head_dim else None

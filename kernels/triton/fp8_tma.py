@@ -444,7 +444,7 @@ MAX_STAGES = 8
 # Measured plans: (N, K) -> {"SPLIT": s, "STAGES": t}, where one beat ring_plan's rule in a decode step
 # (benchmarks.ab_decode plans=F, F a walk {"what": "tma ring (N, K)", "best": {...}}); (H, I, top_k) -> {"STAGES":
 # t} for the experts' ring w2 (fp8_tma_ring_experts).
-RING_PLANS: dict[tuple[int, int], dict] = {
+RING_PLANS: dict[tuple[int, ...], dict] = {
     # Qwen3-30B-A3B's ring w13 (8 experts' 1536 x 2048 side by side): 5 stages, not the rule's 6 (4: no change); the
     # b=1 step on an H200 2.095 -> 2.085 ms in every round, tokens equal (RESULTS.md, thirtieth session). Also a dense
     # 12288 x 2048 on the ring (Qwen3-1.7B's gate_up), not measured there.

@@ -20,8 +20,8 @@ from tests.interpreter import run_under_interpreter
 CASES = ["argmax", "argmax_split_ties_nan", "skinny_gemm", "skinny_gemm_split", "skinny_gemm_pending_norm",
          "topk_routing", "route_token", "routed_experts_decode", "routed_experts_pending_norm", "routed_experts_no_local_expert",
          "paged_attention_split", "paged_attention_rope", "paged_attention_prefill_scalar_table",
-         "paged_attention_kv_ahead", "paged_attention_quant_out", "paged_attention_partials", "paged_attention_fp8_mid_grid",
-         "moe_align"]
+         "paged_attention_kv_ahead", "paged_attention_quant_out", "paged_attention_partials",
+         "paged_attention_fp8_mid_grid", "moe_align"]
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -272,11 +272,11 @@ def run_case(name: str) -> None:
         from tandem.kernels.fp8 import E4M3, QuantRows
         from tandem.kernels.linear import SplitPartials
         from tandem.kernels.triton.attention import _paged_attention
-        q, kc, vc, bt, _, _, scale, _, bound = next(_paged_batches())
-        q, bt, seq_lens, qsl, d = q[:1], bt[:1], torch.tensor([70], dtype=torch.int32), torch.tensor([0, 1]), 32
+        qs, kc, vc, bt, _, _, scale, _, bound = next(_paged_batches())
+        q, seq_lens, qsl, d = qs[:1], torch.tensor([70], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 32
+        args = (q, kc, vc, bt[:1], seq_lens, qsl, scale, 1, bound)
         for splits, quant in ((2, None), (2, (E4M3, d)), (1, (E4M3, d)), (1, None)):
             plan = dict(BLOCK_M=16, BLOCK_N=16, NUM_SPLITS=splits, num_warps=4, num_stages=1)
-            args = (q, kc, vc, bt, seq_lens, qsl.int(), scale, 1, bound)
             want = _paged_attention(*args, plan=plan, quant=quant)
             got = _paged_attention(*args, plan=plan, quant=quant, partials=True)
             if splits == 1:
@@ -288,20 +288,19 @@ def run_case(name: str) -> None:
                 want = want if quant else want.flatten(1)
             for a, b in zip(got if quant else [got], want if quant else [want]):
                 assert torch.equal(a, b), (splits, quant)
-        # paged_attention (what the engine calls) wraps the merged quantized rows as QuantRows
+        # paged_attention (what the engine calls; the Triton path on the 2-split plan) wraps the merged quantized
+        # rows as QuantRows
         plan = dict(BLOCK_M=16, BLOCK_N=16, NUM_SPLITS=2, num_warps=4, num_stages=1)
         from tandem.kernels.triton import attention as triton_attention
-        launch, use = triton_attention.paged_attention_triton, attention.use_triton
-        triton_attention.paged_attention_triton = lambda *a, **k: _paged_attention(*a[:9], plan=plan, quant=a[13],
-                                                                                   partials=a[17])
+        plans, use = triton_attention._launch_plans, attention.use_triton
+        triton_attention._launch_plans = lambda *a: [dict(plan, Q_RANGE=triton_attention._ALL_Q)]
         attention.use_triton = lambda t: True
         try:
-            parts = attention.paged_attention(q, kc, vc, bt, seq_lens, qsl.int(), scale, 1, bound, quant=(E4M3, d),
-                                              partials=True)
+            parts = attention.paged_attention(*args, quant=(E4M3, d), partials=True)
         finally:
-            triton_attention.paged_attention_triton, attention.use_triton = launch, use
+            triton_attention._launch_plans, attention.use_triton = plans, use
         rows = parts.merged()
-        want = _paged_attention(q, kc, vc, bt, seq_lens, qsl.int(), scale, 1, bound, plan=plan, quant=(E4M3, d))
+        want = _paged_attention(*args, plan=plan, quant=(E4M3, d))
         assert isinstance(rows, QuantRows) and torch.equal(rows.q, want[0]) and torch.equal(rows.s, want[1])
         assert rows.group == d and rows.dtype == q.dtype
     elif name == "paged_attention_fp8_mid_grid":
