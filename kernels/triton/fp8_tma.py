@@ -351,7 +351,12 @@ TILE_SMEM = BN * BK + BM * BK * 3 + BM * 4  # a weight tile, its x rows staged i
 # Measured splits: (N, K) -> {"SPLIT": s}, where one beat split_for's rule in a decode step
 # (benchmarks.ab_decode with a plan_tune-style file: {"walks": [{"what": "tma (N, K)", "best": {"SPLIT": s}}]}).
 # "ROWS": the x rows a program stages, 16 or (for M <= 8) 8, which rows_for picks by default.
-PLANS: dict[tuple[int, int], dict] = {}
+PLANS: dict[tuple[int, int], dict] = {
+    # Qwen3-30B-A3B's o projection at one token (merging the attention's partials, one head a program): 32 K shares,
+    # not the rule's 16; the b=1 step on an H200 1.988 -> 1.949 ms, tokens equal (SPLIT 8: 2.124; RESULTS.md,
+    # thirty-third session)
+    (2048, 4096): {"SPLIT": 32},
+}
 
 
 def rows_for(m: int, n: int, k: int) -> int:

@@ -7,7 +7,7 @@ set -euo pipefail
 names="aiohappyeyeballs aiohttp aiosignal annotated-doc annotated-types anyio attrs certifi click fastapi
 frozenlist h11 httpcore httpx idna iniconfig msgspec multidict opentelemetry-api pluggy prometheus_client
 propcache pydantic pydantic_core Pygments pytest pytest-timeout pyzmq sniffio starlette typing-inspection
-uvicorn partial-json-parser xgrammar apache-tvm-ffi jsonschema jsonschema-specifications referencing rpds-py"
+uvicorn partial-json-parser xgrammar pytest-xdist execnet apache-tvm-ffi jsonschema jsonschema-specifications referencing rpds-py"
 pins=()
 for n in $names; do
   v=$(python3 -m pip show "$n" 2>/dev/null | sed -n 's/^Version: //p')

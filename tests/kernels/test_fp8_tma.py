@@ -13,11 +13,14 @@ from tests.fp8_gpu import hopper_block_case
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
 
-def test_split_rule():
+def test_split_rule(monkeypatch):
     """A program an SM at the fewest K shares, at most MAX_TILES tiles a program, one wave of shared memory."""
+    from tandem.kernels.triton import fp8_tma
     from tandem.kernels.triton.fp8_tma import MAX_TILES, split_for
     assert split_for(4096, 4096, 132) == 8  # Llama-3-8B o: 32 strips x 8 shares of 4 tiles
-    assert split_for(2048, 4096, 132) == 16  # Qwen3-30B-A3B o: 16 strips x 16 shares of 2 tiles
+    assert split_for(2048, 4096, 132) == 32  # Qwen3-30B-A3B o: its PLANS entry, a tile a program
+    monkeypatch.setattr(fp8_tma, "PLANS", {})
+    assert split_for(2048, 4096, 132) == 16  # the rule: 16 strips x 16 shares of 2 tiles
     assert split_for(256, 256, 132) == 2  # a tile a program where the strips are few
     assert split_for(4096, 14336, 132) is None  # 512 programs of 7 tiles: more than one wave fits
     assert split_for(512, 384, 132) is None  # 3 tiles: no power-of-two share
@@ -101,18 +104,20 @@ def test_merging_programs_read_partials_not_x():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ctx", [1024, 300, 17])
-def test_merging_programs_match_the_merge_launch_gpu(ctx):
-    """The o projection's TMA GEMM on one token's decode attention partials (kernels.linear.SplitPartials; the
-    8B's heads, 32 x 128, over an fp8 cache, contexts whose splits all, some or one have keys) against the same
-    GEMM on the merge launch's output, and that against fp8_linear_ref."""
+@pytest.mark.parametrize("hidden,kv_heads", [(4096, 8), (2048, 4)])
+def test_merging_programs_match_the_merge_launch_gpu(ctx, hidden, kv_heads):
+    """The o projection's TMA GEMM on one token's decode attention partials (kernels.linear.SplitPartials; 32
+    heads of 128 over an fp8 cache, the 8B's o at the rule's SPLIT 8 and the 30B-A3B's at its PLANS entry's 32,
+    one head a program; contexts whose splits all, some or one have keys) against the same GEMM on the merge
+    launch's output, and that against fp8_linear_ref."""
     from tandem.kernels.linear import SplitPartials
     from tandem.kernels.fp8 import fp8_linear_ref
     from tandem.kernels.triton.attention import paged_attention_triton
     from tandem.kernels.triton.fp8_tma import fp8_tma_linear
-    g, w, ws, _ = hopper_block_case(1, 4096, 4096)
+    g, w, ws, _ = hopper_block_case(1, hidden, 4096)
     blocks = ctx // 16 + 2
-    kc = (torch.randn(blocks, 16, 8, 128, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn)
-    vc = torch.randn(blocks, 16, 8, 128, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    kc = (torch.randn(blocks, 16, kv_heads, 128, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn)
+    vc = torch.randn(blocks, 16, kv_heads, 128, device="cuda", generator=g).to(torch.float8_e4m3fn)
     q = torch.randn(1, 32, 128, device="cuda", generator=g).to(torch.bfloat16)
     bt = torch.randperm(blocks, device="cuda", dtype=torch.int32, generator=g)[None]
     seq_lens = torch.tensor([ctx], device="cuda", dtype=torch.int32)
@@ -121,8 +126,8 @@ def test_merging_programs_match_the_merge_launch_gpu(ctx):
     assert isinstance(parts, SplitPartials) and parts.acc.shape[2] > 1
     rows = parts.merged()
     assert torch.equal(rows, paged_attention_triton(q, kc, vc, bt, seq_lens, qsl, 0.08, 1, 2048).flatten(1))
-    res = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
-    gamma = torch.randn(4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    res = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    gamma = torch.randn(hidden, device="cuda", dtype=torch.bfloat16, generator=g)
     want = fp8_tma_linear(rows, w, ws, res, gamma)
     got = fp8_tma_linear(parts, w, ws, res, gamma)
     ref = (fp8_linear_ref(rows, w, ws, (128, 128)).float() + res.float()).to(torch.bfloat16)
