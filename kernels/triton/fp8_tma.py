@@ -180,7 +180,7 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
                          ids_ptr, topk_w_ptr,
                          TILES: gl.constexpr, T_PAD: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
                          NORM_OUT: gl.constexpr, NORM_IN: gl.constexpr, S_PAD: gl.constexpr, PDL: gl.constexpr,
-                         num_warps: gl.constexpr, EXPERT_STRIPS: gl.constexpr = 0, EXPERT_SHARES: gl.constexpr = False,
+                         num_warps: gl.constexpr, EXPERT_STRIPS: gl.constexpr = 0, EXPERT_SHARES: gl.constexpr = 0,
                          EXPERT_LATE: gl.constexpr = False, SILU_OUT: gl.constexpr = False, aq_ptr=None, as_ptr=None,
                          fp8_max=1.0):
     """The ring form (fp8_tma_ring_linear): x quantized ahead (fp8 rows by TMA, their scales xs [M, K / 128]),
@@ -192,8 +192,9 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     One token's routed experts (fp8_tma_ring_experts; the weights stacked [E * rows, K], their scales [E * rows /
     128, K / 128]; ids_ptr the token's top-k expert ids, complete before this launch, so read before the wait):
     EXPERT_STRIPS = S (w13): strip pid_n is strip pid_n % S of expert ids[pid_n // S], out [1, top_k * S * 128]
-    the pairs' rows side by side. EXPERT_SHARES (w2, SPLIT = top_k): K share pid_k is all of expert ids[pid_k]'s K
-    over x row pid_k (the pair's activation), its scales times topk_w[pid_k]: the split-K sum is the top-k sum.
+    the pairs' rows side by side. EXPERT_SHARES = S (w2, SPLIT = top_k * S): K share pid_k is share pid_k % S of
+    expert ids[pid_k // S]'s K (TILES tiles) over x row pid_k // S (the pair's activation), its scales times
+    topk_w[pid_k // S]: the split-K sum is the top-k sum.
     EXPERT_LATE: the ids come from the launch just ahead, so the id and the first stages wait for it.
     SILU_OUT (w13, EXPERT_STRIPS): no gate_up out; each pair's activation silu(gate) * up quantized instead, as
     kernels/triton/activation.py's silu_and_mul_quant_triton writes it (aq [top_k, I] fp8, as [top_k, I / 128]):
@@ -214,10 +215,10 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
         tl.extra.cuda.gdc_launch_dependents()
     if EXPERT_STRIPS > 0:
         w_row = gl.load(ids_ptr + pid_n // EXPERT_STRIPS) * EXPERT_STRIPS + pid_n % EXPERT_STRIPS
-    if EXPERT_SHARES:
-        w_row = gl.load(ids_ptr + pid_k) * gl.num_programs(0) + pid_n
-        wk0 = 0
-        x_row = pid_k
+    if EXPERT_SHARES > 0:
+        w_row = gl.load(ids_ptr + pid_k // EXPERT_SHARES) * gl.num_programs(0) + pid_n
+        wk0 = pid_k % EXPERT_SHARES * TILES
+        x_row = pid_k // EXPERT_SHARES
 
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN_, BK_], w_desc.layout)
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM_, BK_], x_desc.layout)
@@ -254,8 +255,8 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     j = gl.arange(0, T_PAD * BM_, layout=sl)
     xs = gl.load(xs_ptr + (x_row + j % BM_) * stride_xs + wk0 + j // BM_, mask=(j % BM_ < M) & (j // BM_ < TILES),
                  other=0.0)
-    if EXPERT_SHARES:
-        xs = xs * gl.load(topk_w_ptr + pid_k)
+    if EXPERT_SHARES > 0:
+        xs = xs * gl.load(topk_w_ptr + x_row)
     xs_smem = gl.allocate_shared_memory(gl.float32, [T_PAD * BM_], gl.SwizzledSharedLayout(1, 1, 1, order=[0]), xs)
     rstd = gl.full([BM_], 1.0, gl.float32, gl.SliceLayout(0, mma))
     if NORM_IN:
@@ -448,7 +449,7 @@ RING_FIXED_SMEM = 2048  # the barriers and the compiler's scratch (a layout conv
 MAX_STAGES = 8
 # Measured plans: (N, K) -> {"SPLIT": s, "STAGES": t}, where one beat ring_plan's rule in a decode step
 # (benchmarks.ab_decode plans=F, F a walk {"what": "tma ring (N, K)", "best": {...}}); (H, I, top_k) -> {"STAGES":
-# t} for the experts' ring w2 (fp8_tma_ring_experts).
+# t, "SHARES": s} for the experts' ring w2 (fp8_tma_ring_experts: s K shares an expert, _w2_plan).
 RING_PLANS: dict[tuple[int, ...], dict] = {
     # Qwen3-30B-A3B's ring w13 (8 experts' 1536 x 2048 side by side): 5 stages, not the rule's 6 (4: no change); the
     # b=1 step on an H200 2.095 -> 2.085 ms in every round, tokens equal (RESULTS.md, thirtieth session). Also a dense
@@ -561,7 +562,7 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
     topk_w [1, k] float32 from a launch before the one ahead of this (read before the wait; ids_late: from the
     launch just ahead, which w13 then waits for before it reads them: EXPERT_LATE). Two launches: w13 for the k
     pairs' strips side by side (EXPERT_STRIPS) writing each pair's activation silu(gate) * up quantized (SILU_OUT),
-    then w2 with a K share a pair (EXPERT_SHARES) whose split-K sum is the top-k sum. silu_out False
+    then w2 with a K share a pair, or S shares (EXPERT_SHARES; _w2_plan), whose split-K sum is the top-k sum. silu_out False
     (KernelConfig.fp8_tma_ring_moe_silu off): w13 writes gate_up and the SiLU-and-mul is a launch between (early:
     letting w2 in before its wait). On an H200 the fused form took the Qwen3-30B-A3B b=1 step from 2.105 to 2.087
     ms (benchmarks/RESULTS.md). -> (out [1, H] in dtype, sg, ss) as fp8_tma_ring_linear (residual and norm_weight:
@@ -594,17 +595,28 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
     out = torch.empty(1, h, device=dev, dtype=dtype)
     sg = torch.empty_like(out) if norm else out
     ss = torch.empty(BM, h // BN, device=dev, dtype=torch.float32) if norm else out
-    part = torch.empty(top_k, BM, h, device=dev, dtype=torch.float32)
+    shares, w2_stages = _w2_plan(h, inter, top_k, num_sms(dev))
+    part = torch.empty(top_k * shares, BM, h, device=dev, dtype=torch.float32)
     if norm:
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     res, g = (residual, norm_weight) if norm else (out, out)
     s2 = w2_scale.reshape(e * h // BN, -1)
-    tiles = inter // BK
-    w2_stages = RING_PLANS.get((h, inter, top_k), {}).get("STAGES", _ring_stages(h // BN * top_k, tiles, num_sms(dev)))
-    _fp8_tma_ring_kernel[(h // BN, top_k)](
+    tiles = inter // BK // shares
+    _fp8_tma_ring_kernel[(h // BN, top_k * shares)](
         _w_desc(w2.view(e * h, inter)), _x_desc(aq), a_s, s2, out, part, tickets(dev), res, g, sg, ss, out, 1, h,
         inter, a_s.stride(0), s2.stride(0), out.stride(0), res.stride(0), sg.stride(0), 1, 0.0, ids, topk_w,
         TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=min(w2_stages, tiles),
-        SPLIT=top_k, NORM_OUT=norm, NORM_IN=False,
-        S_PAD=1, num_warps=4, EXPERT_SHARES=True, **launch_args(aq, pdl))
+        SPLIT=top_k * shares, NORM_OUT=norm, NORM_IN=False,
+        S_PAD=1, num_warps=4, EXPERT_SHARES=shares, **launch_args(aq, pdl))
     return out, sg, ss
+
+
+def _w2_plan(h: int, inter: int, top_k: int, sms: int) -> tuple[int, int]:
+    """(K shares an expert, STAGES) for the experts' ring w2 (fp8_tma_ring_experts): RING_PLANS[(H, I, top_k)]'s
+    "SHARES" (default 1; one that does not divide I's tiles counts as 1) and "STAGES", else as many stages as the
+    programs an SM then holds leave shared memory for."""
+    plan = RING_PLANS.get((h, inter, top_k), {})
+    shares = plan.get("SHARES", 1)
+    shares = shares if (inter // BK) % shares == 0 else 1
+    tiles = inter // BK // shares
+    return shares, plan.get("STAGES", _ring_stages(h // BN * top_k * shares, tiles, sms))

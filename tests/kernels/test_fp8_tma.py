@@ -212,8 +212,21 @@ def test_ring_plan_rule():
     assert _ring_stages(96 * 2, 8, 132) == 6
 
 
+def test_w2_plan(monkeypatch):
+    """The experts' ring w2: its table entry's stages at one K share an expert; "SHARES" splits each expert's K,
+    the stages then by the rule for the programs that gives (or the entry's), a share count not dividing I's tiles
+    counts as one."""
+    from tandem.kernels.triton import fp8_tma
+    from tandem.kernels.triton.fp8_tma import _ring_stages, _w2_plan
+    assert _w2_plan(2048, 768, 8, 132) == (1, 4)  # Qwen3-30B-A3B: RING_PLANS's 4 stages
+    monkeypatch.setitem(fp8_tma.RING_PLANS, (2048, 768, 8), {"SHARES": 2})
+    assert _w2_plan(2048, 768, 8, 132) == (2, _ring_stages(256, 3, 132)) == (2, 3)
+    monkeypatch.setitem(fp8_tma.RING_PLANS, (2048, 768, 8), {"SHARES": 4, "STAGES": 2})
+    assert _w2_plan(2048, 768, 8, 132) == (1, 2)  # 6 tiles: no four shares
+
+
 def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: bool, pdl: bool = True,
-                  strips: int = 0, shares: bool = False, late: bool = False, silu: bool = False):
+                  strips: int = 0, shares: int = 0, late: bool = False, silu: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -255,21 +268,23 @@ def test_ring_compiles_with_its_first_stages_before_the_wait(tiles, stages, spli
     assert compiled.metadata.shared * per_sm <= 227 * 1024
 
 
-@pytest.mark.parametrize("strips,shares", [(12, False), (0, True)])
+@pytest.mark.parametrize("strips,shares", [(12, 0), (0, 1), (0, 2)])
 def test_ring_experts_read_their_expert_before_the_wait(strips, shares):
     """The routed experts' modes (Qwen3-30B-A3B's w13 strips, 12 an expert, 8 tiles a program; its w2, a K share
-    of 6 tiles a pair): the expert id is loaded and the first stages' weight tiles requested before the PDL wait
-    (the ids come from a launch two back); only the shares mode reads the pair's routing weight."""
-    compiled = _compile_ring(8 if strips else 6, 6, 2 if strips else 8, shares, bool(strips), strips=strips,
+    of 6 tiles a pair, or two of 3): the expert id is loaded and the first stages' weight tiles requested before
+    the PDL wait (the ids come from a launch two back); only the shares mode reads the pair's routing weight."""
+    tiles = 8 if strips else 6 // shares
+    stages = min(6, tiles)
+    compiled = _compile_ring(tiles, stages, 2 if strips else 8 * shares, bool(shares), bool(strips), strips=strips,
                              shares=shares)
     ptx = compiled.asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
     copies = [i for i in range(len(ptx)) if ptx.startswith("cp.async.bulk.tensor", i)]
-    assert sum(c < wait for c in copies) == 6
+    assert sum(c < wait for c in copies) == stages
     loads = [i for i in range(len(ptx)) if ptx.startswith("ld.global", i)]
     assert loads and loads[0] < copies[0]  # the expert id, ahead of the first weight copy
-    plain = _compile_ring(8 if strips else 6, 6, 2 if strips else 8, shares, bool(strips)).asm["ptx"]
-    assert plain.count("ld.global") + 1 + shares == ptx.count("ld.global")  # the id (and the routing weight)
+    plain = _compile_ring(tiles, stages, 2 if strips else 8 * shares, bool(shares), bool(strips)).asm["ptx"]
+    assert plain.count("ld.global") + 1 + bool(shares) == ptx.count("ld.global")  # the id (and the routing weight)
 
 
 def test_ring_experts_late_read_their_expert_after_the_wait():
@@ -358,13 +373,17 @@ def test_ring_matches_reference_gpu(m, n, k, mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("e,h,inter,top_k", [(128, 2048, 768, 8), (16, 2048, 768, 8), (8, 256, 256, 2)])
 @pytest.mark.parametrize("mode", ["plain", "norm_in", "norm_out"])
-def test_ring_experts_match_reference_gpu(e, h, inter, top_k, mode):
+@pytest.mark.parametrize("w2_shares", [1, 2])
+def test_ring_experts_match_reference_gpu(e, h, inter, top_k, mode, w2_shares, monkeypatch):
     """kernels.moe.routed_experts for one token on the ring form (Qwen3-30B-A3B's expert shapes and smaller)
     against the FP8 experts' reference (routing in torch, each expert GEMM dequantize-then-matmul on rows quantized
     as the kernels quantize them); with the pending norm's consumer side (x = s * gamma, its 1/rms from ss, here
     exactly 1/2, so the reference quantizes the same codes) and its producer side (the sum plus the residual, sg,
-    ss)."""
+    ss); w2 at one K share an expert and at two (a RING_PLANS "SHARES")."""
     g, _, _, _ = hopper_block_case(1, 128, 128)
+    from tandem.kernels.triton import fp8_tma
+    monkeypatch.setitem(fp8_tma.RING_PLANS, (h, inter, top_k), {"SHARES": w2_shares})
+    assert fp8_tma._w2_plan(h, inter, top_k, 132)[0] == w2_shares
     from tandem.kernels.fp8 import fused_experts_fp8_ref, quantize_weight, ring_experts
     from tandem.kernels.moe import routed_experts, topk_routing_ref
     from tandem.kernels.triton.device import tickets
