@@ -82,5 +82,9 @@ class KernelConfig:
     fp8_tma_ring_moe_silu: bool = field(default=True, metadata={"help": (
         "those ring experts' w13 writes the SiLU-and-mul of each gate and up strip, quantized for w2, itself (the "
         "last of their programs, a ticket) instead of gate_up for a launch of its own")})
+    fp8_sg_quant: bool = field(default=True, metadata={"help": (
+        "at 1 row, a Gluon decode GEMM that leaves the next RMSNorm pending (the TMA o projection, a ring down_proj, "
+        "the ring experts' w2) also writes the pending norm's input quantized where the next FP8 GEMM is on the "
+        "ring form, so no quantization launch runs between them")})
 
 DEFAULT_KERNELS = KernelConfig()

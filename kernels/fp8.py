@@ -359,11 +359,14 @@ def ring_router(x: torch.Tensor, gate: torch.Tensor, config: KernelConfig = DEFA
 
 def routed_experts_ring(x: torch.Tensor, router_logits: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor,
                         top_k: int, renormalize: bool, scoring: str, norm_in: tuple | None, norm_out: tuple | None,
-                        scales: tuple, config: KernelConfig = DEFAULT_KERNELS, gate: torch.Tensor | None = None):
+                        scales: tuple, config: KernelConfig = DEFAULT_KERNELS, gate: torch.Tensor | None = None,
+                        quant: tuple[torch.dtype, int] | None = None):
     """kernels.moe.routed_experts on the ring form (ring_experts), then fp8_tma_ring_experts. router_logits None
     (ring_router): the router GEMM against gate, the top-k and x's row quantized in one launch
     (route_token_triton), whose ids w13 waits for; else the routing launch, then x's row quantized (not early:
-    w13 reads the ids, complete by then, before its wait). norm_in / norm_out as routed_experts takes them."""
+    w13 reads the ids, complete by then, before its wait). norm_in / norm_out as routed_experts takes them; quant
+    (with norm_out): the next FP8 GEMM's (dtype, group) for its input, the pending norm's sg (_sg_quant), then
+    returned quantized too: (s, sg, ss, QuantRows)."""
     from tandem.kernels.triton.fp8_tma import fp8_tma_ring_experts
     if router_logits is None:
         from tandem.kernels.triton.routing import route_token_triton
@@ -374,38 +377,66 @@ def routed_experts_ring(x: torch.Tensor, router_logits: torch.Tensor | None, w13
         weights, ids = topk_routing_triton(router_logits, top_k, renormalize, scoring, config.pdl)
         xq, xs = quantize_rows_triton(x, w13.dtype, 128, config.pdl)
     residual, norm_weight = norm_out if norm_out is not None else (None, None)
+    bufs = _sg_quant(quant, x.shape[0], w2.shape[1], x.device, config) if norm_out is not None else None
     out, sg, ss = fp8_tma_ring_experts(xq, xs, w13, scales[0], w2, scales[1], ids, weights, x.dtype, norm_in,
                                        residual, norm_weight, config.pdl, config.fp8_tma_ring_early,
-                                       ids_late=router_logits is None, silu_out=config.fp8_tma_ring_moe_silu)
-    return (out, sg, ss) if norm_out is not None else out
+                                       ids_late=router_logits is None, silu_out=config.fp8_tma_ring_moe_silu,
+                                       sg_quant=bufs)
+    if norm_out is None:
+        return out
+    return (out, sg, ss) if bufs is None else (out, sg, ss, _sg_rows(bufs, sg))
+
+
+def _sg_quant(spec: tuple[torch.dtype, int] | None, m: int, n: int, device: torch.device,
+              config: KernelConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Buffers for a Gluon decode GEMM with a pending norm out to write its sg quantized as well (QUANT_SG), where
+    the next FP8 GEMM would quantize sg in a launch of its own in those groups (spec: its (dtype, group),
+    quant_ahead's answer) and config.fp8_sg_quant; else None."""
+    if not (config.fp8_sg_quant and spec == (torch.float8_e4m3fn, 128)):
+        return None
+    from tandem.kernels.triton.fp8_tma import sg_quant_buffers
+    return sg_quant_buffers(m, n, device)
+
+
+def _sg_rows(bufs: tuple[torch.Tensor, torch.Tensor], sg: torch.Tensor) -> "QuantRows":
+    q, s = bufs
+    return QuantRows(q, s[:q.shape[0]], 128, sg.dtype)
 
 
 def fp8_linear_add_norm(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: torch.Tensor,
                         block: tuple[int, int] | None, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                        config: KernelConfig = DEFAULT_KERNELS) -> PendingNorm | None:
+                        config: KernelConfig = DEFAULT_KERNELS, quant: tuple[torch.dtype, int] | None = None
+                        ) -> PendingNorm | None:
     """kernels.linear.linear_add_norm with an fp8 weight: x @ w.T + residual with the RMSNorm after
     it left pending, in one launch of the FP8 decode GEMM; None (nothing run) where that does not
     apply. x: [T, K] (QuantRows: on the TMA GEMM's ring form, tma_ring; SplitPartials: on the TMA GEMM, which
-    merges them, takes_partials); w: [N, K] fp8; residual: [T, N]; norm_weight: [N]."""
+    merges them, takes_partials); w: [N, K] fp8; residual: [T, N]; norm_weight: [N]. quant: the next FP8 GEMM's
+    (dtype, group) where it would quantize its input in a launch of its own (quant_ahead): the Gluon GEMMs then
+    write sg quantized too, the PendingNorm's quant (_sg_quant)."""
+    m, n = residual.shape
     if isinstance(x, SplitPartials):
         if not (takes_partials(x.rows, w, block, config) and norm_weight.dtype == residual.dtype == x.dtype):
             return None
         from tandem.kernels.triton.fp8_tma import fp8_tma_linear
-        s, sg, ss = fp8_tma_linear(x, w, w_scale, residual, norm_weight, pdl=config.pdl)
-        return PendingNorm(s, sg, ss, norm_weight, eps)
+        bufs = _sg_quant(quant, m, n, residual.device, config)
+        s, sg, ss = fp8_tma_linear(x, w, w_scale, residual, norm_weight, pdl=config.pdl, sg_quant=bufs)
+        return PendingNorm(s, sg, ss, norm_weight, eps, _sg_rows(bufs, sg) if bufs else None)
     if isinstance(x, QuantRows):
         if not (tma_ring(x.q, w, block, config) and x.group == block[1] and x.q.dtype == w.dtype
                 and norm_weight.dtype == residual.dtype == x.dtype and config.fuse_norms):
             return None
         from tandem.kernels.triton.fp8_tma import fp8_tma_ring_linear
-        s, sg, ss = fp8_tma_ring_linear(x.q, x.s, w, w_scale, x.dtype, residual, norm_weight, pdl=config.pdl)
-        return PendingNorm(s, sg, ss, norm_weight, eps)
+        bufs = _sg_quant(quant, m, n, residual.device, config)
+        s, sg, ss = fp8_tma_ring_linear(x.q, x.s, w, w_scale, x.dtype, residual, norm_weight, pdl=config.pdl,
+                                        sg_quant=bufs)
+        return PendingNorm(s, sg, ss, norm_weight, eps, _sg_rows(bufs, sg) if bufs else None)
     if not (_decode_tile(x, block, config) and norm_weight.dtype == residual.dtype == x.dtype):
         return None
     if _tma_gemm(x, w, block, config):
         from tandem.kernels.triton.fp8_tma import fp8_tma_linear
-        s, sg, ss = fp8_tma_linear(x, w, w_scale, residual, norm_weight, pdl=config.pdl)
-        return PendingNorm(s, sg, ss, norm_weight, eps)
+        bufs = _sg_quant(quant, m, n, residual.device, config)
+        s, sg, ss = fp8_tma_linear(x, w, w_scale, residual, norm_weight, pdl=config.pdl, sg_quant=bufs)
+        return PendingNorm(s, sg, ss, norm_weight, eps, _sg_rows(bufs, sg) if bufs else None)
     if fp8_decode_rows(x, block, config):
         from tandem.kernels.triton.linear import skinny_linear_add_norm_triton
         s, sg, ss = skinny_linear_add_norm_triton(x, w, residual, norm_weight, pdl=config.pdl, w_scale=w_scale,
@@ -427,7 +458,11 @@ def fp8_linear_normed(p: PendingNorm, w: torch.Tensor, w_scale: torch.Tensor, bl
     if tma_ring(p.sg, w, block, config, normed=True):
         from tandem.kernels.triton.fp8_skinny import quantize_rows_triton
         from tandem.kernels.triton.fp8_tma import fp8_tma_ring_linear
-        xq, xs = quantize_rows_triton(p.sg, w.dtype, block[1], config.pdl, early=config.fp8_tma_ring_early)
+        q = p.quant
+        if q is not None and q.q.dtype == w.dtype and q.group == block[1] and q.q.shape == p.sg.shape:
+            xq, xs = q.q, q.s  # written by the GEMM ahead (fp8_sg_quant): no quantization launch
+        else:
+            xq, xs = quantize_rows_triton(p.sg, w.dtype, block[1], config.pdl, early=config.fp8_tma_ring_early)
         y = fp8_tma_ring_linear(xq, xs, w, w_scale, p.sg.dtype, norm_in=(p.ss, p.eps), pdl=config.pdl)[0]
         return y if bias is None else y + bias
     if fp8_decode_rows(p.sg, block, config):

@@ -64,12 +64,14 @@ class SplitPartials:
 class PendingNorm:
     """rms_norm(s) with `weight`, left for the next decode GEMM to apply (linear_normed): s is the
     residual stream, sg = s * weight (rounded) and ss [16, strips] float32 each strip's sums of
-    squares of s's rows (kernels/triton/linear.py, NORM_OUT / NORM_IN)."""
+    squares of s's rows (kernels/triton/linear.py, NORM_OUT / NORM_IN). quant: sg quantized for the next FP8
+    GEMM (kernels.fp8.QuantRows), where the GEMM that left the norm pending wrote that too (fp8_sg_quant)."""
     s: torch.Tensor
     sg: torch.Tensor
     ss: torch.Tensor
     weight: torch.Tensor
     eps: float
+    quant: object = None
 
     def normed(self, config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
         """rms_norm(s), for a consumer that cannot apply the pending norm itself."""

@@ -66,7 +66,7 @@ def routed_experts(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
     renormalize: bool, scoring: str = "softmax", norm_in: tuple[torch.Tensor, float] | None = None,
     norm_out: tuple[torch.Tensor, torch.Tensor] | None = None, config: KernelConfig = DEFAULT_KERNELS,
-    scales: tuple | None = None, gate: torch.Tensor | None = None,
+    scales: tuple | None = None, gate: torch.Tensor | None = None, quant: tuple[torch.dtype, int] | None = None,
 ):
     """topk_routing then fused_experts, every expert held here (no expert parallelism); on a GPU
     at decode sizes the routing happens inside the first expert GEMM. GPU only: norm_in = (ss,
@@ -75,12 +75,14 @@ def routed_experts(
     w2_scale, block): fp8 experts (kernels/fp8.py layouts) on the same kernels, their weights
     converted to x's dtype (W8A16), or for one token on a Hopper GPU the TMA ring (kernels.fp8.ring_experts);
     the reference multiplies the dequantized weights. router_logits None: gate, the router weight, whose GEMM
-    the ring's routing launch runs (the caller checked kernels.fp8.ring_experts and ring_router)."""
+    the ring's routing launch runs (the caller checked kernels.fp8.ring_experts and ring_router). quant (with
+    norm_out, on the ring): the next FP8 GEMM's input (dtype, group), then also returned quantized: (s, sg, ss,
+    QuantRows) (kernels.fp8.routed_experts_ring)."""
     if use_triton(x):
         from tandem.kernels.fp8 import ring_experts, routed_experts_ring
         if gate is not None or (scales is not None and ring_experts(x, w13, w2, scales, top_k, config)):
             return routed_experts_ring(x, router_logits, w13, w2, top_k, renormalize, scoring, norm_in, norm_out,
-                                       scales, config, gate)
+                                       scales, config, gate, quant)
         from tandem.kernels.triton.moe import routed_experts_triton
         return routed_experts_triton(x, router_logits, w13, w2, top_k, renormalize, scoring, norm_in, norm_out,
                                      config.pdl, scales, config.fp8_int_convert)

@@ -21,7 +21,7 @@ from tandem.engine.layers.linear import LinearBase
 from tandem.engine.layers.moe import FusedMoE
 from tandem.engine.parallel import tp_all_reduce, tp_rank, tp_size
 from tandem.engine.quantization import Fp8Scheme, fp8_scheme
-from tandem.engine.layers.norm import DeferredOutput
+from tandem.engine.layers.norm import DeferredOutput, next_quant
 from tandem.kernels.ep import NoDispatch
 from tandem.kernels.fp8 import (E4M3, QuantRows, e4m3fn_to_fnuz, fp8_decode_rows, fp8_dtype, fp8_linear,
                                fp8_linear_add_norm, fp8_linear_normed, fused_experts_fp8, quant_ahead, quantize_weight,
@@ -154,7 +154,7 @@ class Fp8Linear:
         if not self._may_add_norm() or isinstance(x, PendingNorm):
             return None
         return fp8_linear_add_norm(x, self.weight, self.weight_scale, self.fp8_block, residual, norm.weight,
-                                   norm.eps, self.kernels)
+                                   norm.eps, self.kernels, next_quant(norm, residual))
 
 
 class Fp8FusedMoE:

@@ -9,7 +9,7 @@ from torch import nn
 
 from tandem.engine.config import ParallelConfig
 from tandem.engine.layers.linear import ReplicatedLinear
-from tandem.engine.layers.norm import DeferredOutput, RMSNorm
+from tandem.engine.layers.norm import DeferredOutput, RMSNorm, next_quant
 from tandem.engine.parallel import expert_parallel, tp_all_reduce, tp_rank, tp_size
 from tandem.kernels import KernelConfig
 from tandem.kernels.ep import NoDispatch, make_dispatcher
@@ -140,11 +140,11 @@ class FusedMoE(nn.Module):
         return dict(config=self.kernels) if self.experts is fused_experts else {}
 
     def _routed(self, x: torch.Tensor | PendingNorm, logits: torch.Tensor | None, norm_out: tuple | None = None,
-                gate: torch.Tensor | None = None):
+                gate: torch.Tensor | None = None, quant: tuple | None = None):
         pending = isinstance(x, PendingNorm)
         return routed_experts(x.sg if pending else x, logits, self.w13, self.w2, self.top_k, self.renormalize,
                               self.scoring, (x.ss, x.eps) if pending else None, norm_out, self.kernels,
-                              self._expert_scales, gate)
+                              self._expert_scales, gate, quant)
 
     def _routed_add_norm(self, x: torch.Tensor | PendingNorm, logits: torch.Tensor | None, residual: torch.Tensor,
                          norm: RMSNorm, gate: torch.Tensor | None = None) -> PendingNorm | None:
@@ -152,4 +152,5 @@ class FusedMoE(nn.Module):
         where that does not apply (tensor parallel: the all-reduce comes first; no GPU; more rows)."""
         if not (tp_size() == 1 and can_pend(x.sg if isinstance(x, PendingNorm) else x, self.kernels)):
             return None
-        return PendingNorm(*self._routed(x, logits, (residual, norm.weight), gate), norm.weight, norm.eps)
+        s, sg, ss, *quant = self._routed(x, logits, (residual, norm.weight), gate, next_quant(norm, residual))
+        return PendingNorm(s, sg, ss, norm.weight, norm.eps, quant[0] if quant else None)

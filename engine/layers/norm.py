@@ -50,6 +50,15 @@ class RMSNorm(nn.Module):
         return fused_add_rms_norm(x, residual, self.weight, self.eps, self.kernels)
 
 
+def next_quant(norm: RMSNorm, rows: torch.Tensor) -> tuple[torch.dtype, int] | None:
+    """The (dtype, group) in which the FP8 layer after `norm` (a PendingRMSNorm linked to it by
+    engine/layers/fp8.py) would quantize rows shaped as `rows` in a launch of its own, for the GEMM ahead
+    that leaves `norm` pending to write them quantized instead (KernelConfig.fp8_sg_quant); None where
+    nothing is linked or it would not."""
+    spec = getattr(norm, "quant_spec", None)
+    return spec(rows) if spec is not None else None
+
+
 class PendingRMSNorm(RMSNorm):
     """An RMSNorm between two GEMMs (a decoder layer's input and post-attention norms): when the
     layer ahead deferred its output and can carry the add and the norm, returns (PendingNorm,

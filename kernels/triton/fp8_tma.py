@@ -54,7 +54,8 @@ def _fp8_tma_kernel(w_desc, x_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, res_pt
                     M, N, stride_xm, stride_ws, stride_om, stride_rm, stride_gm, fp8_max,
                     TILES: gl.constexpr, SPLIT: gl.constexpr, NORM_OUT: gl.constexpr, PDL: gl.constexpr,
                     num_warps: gl.constexpr, BM_: gl.constexpr = 16, pacc_ptr=None, pml_ptr=None, seq_lens_ptr=None,
-                    MERGE: gl.constexpr = 0, KV_BLOCK: gl.constexpr = 0):
+                    MERGE: gl.constexpr = 0, KV_BLOCK: gl.constexpr = 0, sq_ptr=None, sqs_ptr=None,
+                    QUANT_SG: gl.constexpr = False):
     BN_: gl.constexpr = w_desc.block_type.shape[0]
     BK_: gl.constexpr = w_desc.block_type.shape[1]
     KP: gl.constexpr = TILES * BK_
@@ -127,7 +128,7 @@ def _fp8_tma_kernel(w_desc, x_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, res_pt
         mbarrier.invalidate(bars.index(i))
 
     _finish(acc, out_ptr, part_ptr, ticket_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, pid_k, N, stride_om,
-            stride_gm, SPLIT, NORM_OUT)
+            stride_gm, SPLIT, NORM_OUT, sq_ptr, sqs_ptr, fp8_max, QUANT_SG)
 
 
 @gluon.jit
@@ -156,7 +157,7 @@ def _merged_head(pacc_ptr, pml_ptr, h, ctx, dtype: gl.constexpr, S: gl.constexpr
 
 @gluon.jit
 def _finish(acc, out_ptr, part_ptr, ticket_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, pid_k, N, stride_om,
-            stride_gm, SPLIT: gl.constexpr, NORM_OUT: gl.constexpr):
+            stride_gm, SPLIT: gl.constexpr, NORM_OUT: gl.constexpr, sq_ptr, sqs_ptr, fp8_max, QUANT_SG: gl.constexpr):
     """A program's acc [BN, BM] (out.T over its K share) -> out: SPLIT > 1, float32 partials and a ticket, the
     strip's last program sums them (kernels/triton/device.py); then _write_out."""
     BM_: gl.constexpr = acc.shape[1]
@@ -168,10 +169,12 @@ def _finish(acc, out_ptr, part_ptr, ticket_ptr, sg_ptr, ss_ptr, r, g, rm, rn, ma
             for sp in gl.static_range(SPLIT):
                 total += gl.load(part_ptr + (sp * BM_ + rm[None, :]) * N + rn[:, None], mask=mask, other=0.0,
                                  cache_modifier=".cg")
-            _write_out(total, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_om, stride_gm, NORM_OUT)
+            _write_out(total, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_om, stride_gm, NORM_OUT,
+                       sq_ptr, sqs_ptr, fp8_max, QUANT_SG)
             gl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
-        _write_out(acc, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_om, stride_gm, NORM_OUT)
+        _write_out(acc, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_om, stride_gm, NORM_OUT, sq_ptr,
+                   sqs_ptr, fp8_max, QUANT_SG)
 
 
 @gluon.jit
@@ -182,7 +185,7 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
                          NORM_OUT: gl.constexpr, NORM_IN: gl.constexpr, S_PAD: gl.constexpr, PDL: gl.constexpr,
                          num_warps: gl.constexpr, EXPERT_STRIPS: gl.constexpr = 0, EXPERT_SHARES: gl.constexpr = 0,
                          EXPERT_LATE: gl.constexpr = False, SILU_OUT: gl.constexpr = False, aq_ptr=None, as_ptr=None,
-                         fp8_max=1.0):
+                         fp8_max=1.0, sq_ptr=None, sqs_ptr=None, QUANT_SG: gl.constexpr = False):
     """The ring form (fp8_tma_ring_linear): x quantized ahead (fp8 rows by TMA, their scales xs [M, K / 128]),
     TILES K tiles a program through STAGES shared-memory stages of a weight tile and its x tile, one mbarrier a
     stage; the first STAGES weight tiles requested before the wait, a stage refilled with the tile STAGES ahead
@@ -288,7 +291,7 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
                   EXPERT_STRIPS, SPLIT)
     else:
         _finish(acc, out_ptr, part_ptr, ticket_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, pid_k, N, stride_om,
-                stride_gm, SPLIT, NORM_OUT)
+                stride_gm, SPLIT, NORM_OUT, sq_ptr, sqs_ptr, fp8_max, QUANT_SG)
 
 
 @gluon.jit
@@ -328,10 +331,13 @@ def _silu_out(acc, part_ptr, ticket_ptr, aq_ptr, as_ptr, out_ptr, fp8_max, rm, r
 
 
 @gluon.jit
-def _write_out(acc, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_om, stride_gm, NORM_OUT: gl.constexpr):
+def _write_out(acc, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_om, stride_gm, NORM_OUT: gl.constexpr,
+               sq_ptr, sqs_ptr, fp8_max, QUANT_SG: gl.constexpr):
     """acc [BN, BM] (out.T) -> out; NORM_OUT: out = s = acc (rounded) + the residual r [BN, BM], sg = s * g [BN]
     rounded, and the strip's sums of squares of s's rows at ss [BM, strips] (kernels/triton/linear.py's
-    pend_norm)."""
+    pend_norm). QUANT_SG (with NORM_OUT): sg's rows also quantized as one group of the strip's BN columns, as
+    quantize_rows_triton quantizes them (sq [M, N] fp8 with sg's row stride, sqs [BM, strips] float32; rows past
+    M: scale 1e-12), the next FP8 GEMM's input with the norm still pending (kernels.fp8.fp8_linear_normed)."""
     y = acc.to(out_ptr.dtype.element_ty)
     out_ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
     if NORM_OUT:
@@ -341,7 +347,14 @@ def _write_out(acc, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_o
         gl.store(ss_ptr + rm * gl.num_programs(0) + pid_n, gl.sum(sf * sf, axis=0))
         if rm.shape[0] == 8:  # (fp8_tma_linear's 8-row programs) ss keeps 16 rows: those past 8 hold zeros
             gl.store(ss_ptr + (rm + 8) * gl.num_programs(0) + pid_n, gl.zeros_like(rm).to(gl.float32))
-        gl.store(sg_ptr + rm[None, :] * stride_gm + rn[:, None], (sf * g[:, None]).to(y.dtype), mask=mask)
+        sgv = (sf * g[:, None]).to(y.dtype)
+        gl.store(sg_ptr + rm[None, :] * stride_gm + rn[:, None], sgv, mask=mask)
+        if QUANT_SG:
+            xq = gl.where(mask, sgv.to(gl.float32), 0.0)
+            sc = gl.maximum(gl.max(gl.abs(xq), axis=0) / fp8_max, 1e-12)
+            q = gl.minimum(gl.maximum(xq / sc[None, :], -fp8_max), fp8_max).to(sq_ptr.dtype.element_ty)
+            gl.store(sq_ptr + rm[None, :] * stride_gm + rn[:, None], q, mask=mask)
+            gl.store(sqs_ptr + rm * gl.num_programs(0) + pid_n, sc)
     else:
         gl.store(out_ptrs, y, mask=mask)
 
@@ -401,14 +414,16 @@ def _w_desc(w: torch.Tensor) -> TensorDescriptor:
 
 
 def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, residual: torch.Tensor | None = None,
-                   norm_weight: torch.Tensor | None = None, pdl: bool = True, split: int | None = None
+                   norm_weight: torch.Tensor | None = None, pdl: bool = True, split: int | None = None,
+                   sg_quant: tuple[torch.Tensor, torch.Tensor] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """kernels.fp8.fp8_linear_ref for x [M <= 16, K] bf16/fp16, w [N, K] e4m3 with w_scale [N / 128, K / 128]
     (supports()). With residual [M, N] and norm_weight [N]: (s = x @ w.T + residual, sg = s * norm_weight,
     ss [16, N / 128] float32 the strips' sums of squares of s's rows), as fp8_skinny_add_norm_triton; else
     (out, out, out). split: K shares a strip (default split_for). x may be one token's decode attention output
     left as its split-K partials (kernels.linear.SplitPartials, heads of 128): each program merges its K share's
-    heads itself (MERGE), so no merge launch runs between the attention and this GEMM."""
+    heads itself (MERGE), so no merge launch runs between the attention and this GEMM. sg_quant (with residual;
+    sg_quant_buffers): sg also written quantized there (QUANT_SG)."""
     parts = x if isinstance(x, SplitPartials) else None
     if parts is not None:
         if parts.acc.shape[-1] != BK or parts.acc.shape[0] != 1:
@@ -433,8 +448,24 @@ def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, resi
         out.stride(0), res.stride(0), sg.stride(0), float(torch.finfo(w.dtype).max), TILES=k // BK // split,
         SPLIT=split, NORM_OUT=norm, num_warps=4, BM_=rows_for(m, n, k),
         **(dict(pacc_ptr=parts.acc, pml_ptr=parts.ml, seq_lens_ptr=parts.seq_lens, MERGE=parts.acc.shape[2],
-                KV_BLOCK=parts.block_n) if parts is not None else {}), **launch_args(out, pdl))
+                KV_BLOCK=parts.block_n) if parts is not None else {}), **_sg_quant_args(sg_quant, norm),
+        **launch_args(out, pdl))
     return out, sg, ss
+
+
+def sg_quant_buffers(m: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [m, n] e4m3, s [BM, n / BN] float32): where a decode GEMM with NORM_OUT writes sg quantized in groups of
+    BN columns (QUANT_SG), as quantize_rows_triton would write them for the next GEMM (its first m rows of s)."""
+    return (torch.empty(m, n, device=device, dtype=torch.float8_e4m3fn),
+            torch.empty(BM, n // BN, device=device, dtype=torch.float32))
+
+
+def _sg_quant_args(sg_quant: tuple[torch.Tensor, torch.Tensor] | None, norm: bool) -> dict:
+    if sg_quant is None:
+        return {}
+    if not norm:
+        raise ValueError("sg_quant needs the residual and norm weight (NORM_OUT)")
+    return dict(sq_ptr=sg_quant[0], sqs_ptr=sg_quant[1], QUANT_SG=True)
 
 
 # ---- the ring form: x quantized ahead, any number of K tiles a program --------------------------------------
@@ -499,13 +530,14 @@ def ring_supports(m: int, w: torch.Tensor, block: tuple[int, int] | None, device
 def fp8_tma_ring_linear(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                         dtype: torch.dtype, residual: torch.Tensor | None = None,
                         norm_weight: torch.Tensor | None = None, norm_in: tuple[torch.Tensor, float] | None = None,
-                        pdl: bool = True, plan: tuple[int, int] | None = None
+                        pdl: bool = True, plan: tuple[int, int] | None = None,
+                        sg_quant: tuple[torch.Tensor, torch.Tensor] | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """kernels.fp8._quantized_linear_ref for rows quantized ahead: xq [M <= 16, K] e4m3, xs [M, K / 128] float32
     (quantize_rows with groups of 128), w [N, K] e4m3 with w_scale [N / 128, K / 128] (ring_supports) -> out
     [M, N] in dtype. residual [M, N] and norm_weight [N] (NORM_OUT): (s, sg, ss) as fp8_tma_linear. norm_in
     (ss [16, strips] float32, eps): xq is a pending norm's sg quantized, the output scaled by each row's 1/rms.
-    plan: (SPLIT, STAGES), default ring_plan."""
+    plan: (SPLIT, STAGES), default ring_plan. sg_quant: as fp8_tma_linear's."""
     m, k = xq.shape
     n = w.shape[0]
     if not 0 < m <= BM:
@@ -529,7 +561,7 @@ def fp8_tma_ring_linear(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_s
         w_scale.stride(0), out.stride(0), res.stride(0), sg.stride(0), ss_in.shape[1] if norm_in else 1, eps, out, out,
         TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=min(stages, tiles), SPLIT=split, NORM_OUT=norm,
         NORM_IN=norm_in is not None, S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in else 1, num_warps=4,
-        **launch_args(xq, pdl))
+        fp8_max=float(torch.finfo(torch.float8_e4m3fn).max), **_sg_quant_args(sg_quant, norm), **launch_args(xq, pdl))
     return out, sg, ss
 
 
@@ -554,7 +586,8 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
                          w2: torch.Tensor, w2_scale: torch.Tensor, ids: torch.Tensor, topk_w: torch.Tensor,
                          dtype: torch.dtype, norm_in: tuple[torch.Tensor, float] | None = None,
                          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                         pdl: bool = True, early: bool = True, ids_late: bool = False, silu_out: bool = True
+                         pdl: bool = True, early: bool = True, ids_late: bool = False, silu_out: bool = True,
+                         sg_quant: tuple[torch.Tensor, torch.Tensor] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token's routed experts on the ring form, every expert held here (ring_experts_supports): xq [1, H] e4m3
     and xs [1, H / 128] its row quantized ahead (norm_in: a pending norm's sg, as fp8_tma_ring_linear takes it);
@@ -566,7 +599,7 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
     (KernelConfig.fp8_tma_ring_moe_silu off): w13 writes gate_up and the SiLU-and-mul is a launch between (early:
     letting w2 in before its wait). On an H200 the fused form took the Qwen3-30B-A3B b=1 step from 2.105 to 2.087
     ms (benchmarks/RESULTS.md). -> (out [1, H] in dtype, sg, ss) as fp8_tma_ring_linear (residual and norm_weight:
-    NORM_OUT)."""
+    NORM_OUT; sg_quant: as fp8_tma_linear's)."""
     from tandem.kernels.triton.activation import silu_and_mul_quant_triton
     e, two_i, h = w13.shape
     inter, top_k = two_i // 2, ids.shape[-1]
@@ -606,8 +639,8 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
         _w_desc(w2.view(e * h, inter)), _x_desc(aq), a_s, s2, out, part, tickets(dev), res, g, sg, ss, out, 1, h,
         inter, a_s.stride(0), s2.stride(0), out.stride(0), res.stride(0), sg.stride(0), 1, 0.0, ids, topk_w,
         TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=min(w2_stages, tiles),
-        SPLIT=top_k * shares, NORM_OUT=norm, NORM_IN=False,
-        S_PAD=1, num_warps=4, EXPERT_SHARES=shares, **launch_args(aq, pdl))
+        SPLIT=top_k * shares, NORM_OUT=norm, NORM_IN=False, S_PAD=1, num_warps=4, EXPERT_SHARES=shares,
+        fp8_max=float(torch.finfo(torch.float8_e4m3fn).max), **_sg_quant_args(sg_quant, norm), **launch_args(aq, pdl))
     return out, sg, ss
 
 

@@ -61,7 +61,7 @@ def test_early_only_where_the_o_weight_outlasts_the_merge(monkeypatch):
     assert layer.attn.early_out(torch.empty(1, 32, 128, dtype=torch.bfloat16))
 
 
-def _compile(tiles: int, split: int, norm: bool, pdl: bool, rows: int = 16, merge: int = 0):
+def _compile(tiles: int, split: int, norm: bool, pdl: bool, rows: int = 16, merge: int = 0, quant_sg: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -69,10 +69,11 @@ def _compile(tiles: int, split: int, norm: bool, pdl: bool, rows: int = 16, merg
     from tandem.kernels.triton.fp8_tma import _fp8_tma_kernel, _w_desc
     w = torch.empty(4096, 4096, dtype=torch.float8_e4m3fn)
     ptrs = dict(x_ptr="*bf16", ws_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32", res_ptr="*bf16",
-                g_ptr="*bf16", sg_ptr="*bf16", ss_ptr="*fp32", pacc_ptr="*fp32", pml_ptr="*fp32", seq_lens_ptr="*i32")
+                g_ptr="*bf16", sg_ptr="*bf16", ss_ptr="*fp32", pacc_ptr="*fp32", pml_ptr="*fp32", seq_lens_ptr="*i32",
+                sq_ptr="*fp8e4nv", sqs_ptr="*fp32")
     ints = ("M", "N", "stride_xm", "stride_ws", "stride_om", "stride_rm", "stride_gm")
     consts = dict(TILES=tiles, SPLIT=split, NORM_OUT=norm, PDL=pdl, num_warps=4, BM_=rows, MERGE=merge,
-                  KV_BLOCK=128)
+                  KV_BLOCK=128, QUANT_SG=quant_sg)
     sig = {"w_desc": _w_desc(w).__mangle__(), **ptrs, **{n: "i32" for n in ints}, "fp8_max": "fp32",
            **{n: "constexpr" for n in consts}}
     return triton.compile(GluonASTSource(_fp8_tma_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
@@ -226,7 +227,7 @@ def test_w2_plan(monkeypatch):
 
 
 def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: bool, pdl: bool = True,
-                  strips: int = 0, shares: int = 0, late: bool = False, silu: bool = False):
+                  strips: int = 0, shares: int = 0, late: bool = False, silu: bool = False, quant_sg: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -242,10 +243,10 @@ def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: 
     ints = ("M", "N", "K", "stride_xs", "stride_ws", "stride_om", "stride_rm", "stride_gm", "in_strips")
     consts = dict(TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=stages, SPLIT=split, NORM_OUT=norm_out,
                   NORM_IN=norm_in, S_PAD=32, PDL=pdl, num_warps=4, EXPERT_STRIPS=strips, EXPERT_SHARES=shares,
-                  EXPERT_LATE=late, SILU_OUT=silu)
+                  EXPERT_LATE=late, SILU_OUT=silu, QUANT_SG=quant_sg)
     sig = {"w_desc": _w_desc(w).__mangle__(), "x_desc": x_desc.__mangle__(), **ptrs, **{n: "i32" for n in ints},
            "eps": "fp32", "ids_ptr": "*i32", "topk_w_ptr": "*fp32", **{n: "constexpr" for n in consts},
-           "aq_ptr": "*fp8e4nv", "as_ptr": "*fp32", "fp8_max": "fp32"}
+           "aq_ptr": "*fp8e4nv", "as_ptr": "*fp32", "fp8_max": "fp32", "sq_ptr": "*fp8e4nv", "sqs_ptr": "*fp32"}
     return triton.compile(GluonASTSource(_fp8_tma_ring_kernel, sig, constexprs=consts),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
@@ -295,6 +296,25 @@ def test_ring_experts_late_read_their_expert_after_the_wait():
     loads = [i for i in range(len(ptx)) if ptx.startswith("ld.global", i)]
     assert ptx.count("griddepcontrol.wait") == 1 and wait < min(loads)
     assert wait < ptx.index("cp.async.bulk.tensor")
+
+
+@pytest.mark.parametrize("form", ["tma", "ring", "w2"])
+def test_quant_sg_writes_sg_quantized_only_where_asked(form):
+    """QUANT_SG (KernelConfig.fp8_sg_quant; with NORM_OUT): the last program of a strip also stores sg's rows as
+    e4m3 and their scales, an epilogue the plain NORM_OUT form does not have (the 8B o on the TMA GEMM, the 8B
+    down on the ring, the 30B-A3B experts' w2)."""
+    def ptx(quant_sg):
+        if form == "tma":
+            return _compile(4, 8, True, True, rows=8, quant_sg=quant_sg).asm["ptx"]
+        if form == "ring":
+            return _compile_ring(14, 6, 8, True, False, quant_sg=quant_sg).asm["ptx"]
+        return _compile_ring(6, 4, 8, True, False, shares=1, quant_sg=quant_sg).asm["ptx"]
+    plain, quant = ptx(False), ptx(True)
+    cvt = "cvt.rn.satfinite.e4m3x2.f32"
+    assert cvt in quant and quant.count("st.global") > plain.count("st.global")
+    if form != "tma":  # (the TMA GEMM quantizes its x in every form)
+        assert cvt not in plain
+    assert quant.count(cvt) > plain.count(cvt)
 
 
 @pytest.mark.parametrize("split", [1, 2])
@@ -445,3 +465,50 @@ def test_ring_inputs_let_the_ring_in_before_their_wait_only_when_early(kernel, e
             GROUP=128, GROUPS=8, BLOCK_ROWS=0)
     ptx = _compile_sm90(fn, types, dict(consts, PDL=True, EARLY=early), 4, 1).asm["ptx"]
     assert (ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")) == early
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["tma", "ring", "w2"])
+def test_quant_sg_matches_the_quantization_launch_gpu(form):
+    """QUANT_SG (KernelConfig.fp8_sg_quant): the rows a decode GEMM with a pending norm out writes quantized are
+    quantize_rows_triton's of its sg, bit for bit, and its s, sg and ss are those of the same launch without it:
+    the 8B o on the TMA GEMM (8-row programs), the 8B down on the ring, the 30B-A3B experts' w2."""
+    from tandem.kernels.fp8 import quantize_weight
+    from tandem.kernels.triton.device import tickets
+    from tandem.kernels.triton.fp8_skinny import quantize_rows_triton
+    from tandem.kernels.triton.fp8_tma import fp8_tma_linear, fp8_tma_ring_linear, sg_quant_buffers
+    n, k = {"tma": (4096, 4096), "ring": (4096, 14336), "w2": (2048, 2048)}[form]
+    g, w, ws, x = hopper_block_case(1, n, k)
+    res = torch.randn(1, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    gamma = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
+    e4m3 = torch.float8_e4m3fn
+    if form == "tma":
+        def run(bufs):
+            return fp8_tma_linear(x, w, ws, res, gamma, sg_quant=bufs)
+    elif form == "ring":
+        xq, xs = quantize_rows_triton(x, e4m3, 128)
+
+        def run(bufs):
+            return fp8_tma_ring_linear(xq, xs, w, ws, torch.bfloat16, res, gamma, sg_quant=bufs)
+    else:
+        from tandem.kernels.moe import topk_routing_ref
+        from tandem.kernels.triton.fp8_tma import fp8_tma_ring_experts
+        e, inter, top_k = 16, 768, 8
+        w13, s13 = quantize_weight(torch.randn(e * 2 * inter, n, device="cuda", generator=g) * 0.05, block=(128, 128))
+        w2, s2 = quantize_weight(torch.randn(e * n, inter, device="cuda", generator=g) * 0.05, block=(128, 128))
+        w13, s13, w2, s2 = (t.view(e, -1, t.shape[-1]) for t in (w13, s13, w2, s2))
+        weights, ids = topk_routing_ref(torch.randn(1, e, device="cuda", generator=g), top_k, True)
+        xq, xs = quantize_rows_triton(x, e4m3, 128)
+
+        def run(bufs):
+            return fp8_tma_ring_experts(xq, xs, w13, s13, w2, s2, ids.int(), weights.float(), torch.bfloat16,
+                                        residual=res, norm_weight=gamma, sg_quant=bufs)
+    plain = run(None)
+    bufs = sg_quant_buffers(1, n, x.device)
+    got = run(bufs)
+    for a, b in zip(got, plain):
+        assert torch.equal(a, b)
+    want_q, want_s = quantize_rows_triton(got[1], e4m3, 128)
+    assert torch.equal(bufs[0].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(bufs[1][:1], want_s)
+    assert not tickets(x.device).any()
