@@ -398,7 +398,10 @@ def _sg_quant(spec: tuple[torch.dtype, int] | None, m: int, n: int, device: torc
     return sg_quant_buffers(m, n, device)
 
 
-def _sg_rows(bufs: tuple[torch.Tensor, torch.Tensor], sg: torch.Tensor) -> "QuantRows":
+def _sg_rows(bufs: tuple[torch.Tensor, torch.Tensor] | None, sg: torch.Tensor) -> "QuantRows | None":
+    """The rows _sg_quant's buffers hold once the GEMM wrote them (None without buffers)."""
+    if bufs is None:
+        return None
     q, s = bufs
     return QuantRows(q, s[:q.shape[0]], 128, sg.dtype)
 
@@ -420,7 +423,7 @@ def fp8_linear_add_norm(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: t
         from tandem.kernels.triton.fp8_tma import fp8_tma_linear
         bufs = _sg_quant(quant, m, n, residual.device, config)
         s, sg, ss = fp8_tma_linear(x, w, w_scale, residual, norm_weight, pdl=config.pdl, sg_quant=bufs)
-        return PendingNorm(s, sg, ss, norm_weight, eps, _sg_rows(bufs, sg) if bufs else None)
+        return PendingNorm(s, sg, ss, norm_weight, eps, _sg_rows(bufs, sg))
     if isinstance(x, QuantRows):
         if not (tma_ring(x.q, w, block, config) and x.group == block[1] and x.q.dtype == w.dtype
                 and norm_weight.dtype == residual.dtype == x.dtype and config.fuse_norms):
@@ -429,14 +432,14 @@ def fp8_linear_add_norm(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: t
         bufs = _sg_quant(quant, m, n, residual.device, config)
         s, sg, ss = fp8_tma_ring_linear(x.q, x.s, w, w_scale, x.dtype, residual, norm_weight, pdl=config.pdl,
                                         sg_quant=bufs)
-        return PendingNorm(s, sg, ss, norm_weight, eps, _sg_rows(bufs, sg) if bufs else None)
+        return PendingNorm(s, sg, ss, norm_weight, eps, _sg_rows(bufs, sg))
     if not (_decode_tile(x, block, config) and norm_weight.dtype == residual.dtype == x.dtype):
         return None
     if _tma_gemm(x, w, block, config):
         from tandem.kernels.triton.fp8_tma import fp8_tma_linear
         bufs = _sg_quant(quant, m, n, residual.device, config)
         s, sg, ss = fp8_tma_linear(x, w, w_scale, residual, norm_weight, pdl=config.pdl, sg_quant=bufs)
-        return PendingNorm(s, sg, ss, norm_weight, eps, _sg_rows(bufs, sg) if bufs else None)
+        return PendingNorm(s, sg, ss, norm_weight, eps, _sg_rows(bufs, sg))
     if fp8_decode_rows(x, block, config):
         from tandem.kernels.triton.linear import skinny_linear_add_norm_triton
         s, sg, ss = skinny_linear_add_norm_triton(x, w, residual, norm_weight, pdl=config.pdl, w_scale=w_scale,

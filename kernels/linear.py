@@ -2,7 +2,7 @@
 decode-sized batches on a GPU (kernels/triton/linear.py), which is launched like our other
 kernels (programmatic dependent launch) instead of waiting for the kernel ahead to end."""
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +10,9 @@ import torch.nn.functional as F
 from tandem.kernels.backend import use_triton
 from tandem.kernels.config import DEFAULT_KERNELS, KernelConfig
 from tandem.kernels.norm import rms_norm
+
+if TYPE_CHECKING:
+    from tandem.kernels.fp8 import QuantRows
 
 
 def decode_rows(x: torch.Tensor, config: KernelConfig) -> int:
@@ -71,7 +74,7 @@ class PendingNorm:
     ss: torch.Tensor
     weight: torch.Tensor
     eps: float
-    quant: object = None
+    quant: "QuantRows | None" = None
 
     def normed(self, config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
         """rms_norm(s), for a consumer that cannot apply the pending norm itself."""
