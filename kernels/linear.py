@@ -2,7 +2,7 @@
 decode-sized batches on a GPU (kernels/triton/linear.py), which is launched like our other
 kernels (programmatic dependent launch) instead of waiting for the kernel ahead to end."""
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -10,9 +10,6 @@ import torch.nn.functional as F
 from tandem.kernels.backend import use_triton
 from tandem.kernels.config import DEFAULT_KERNELS, KernelConfig
 from tandem.kernels.norm import rms_norm
-
-if TYPE_CHECKING:
-    from tandem.kernels.fp8 import QuantRows
 
 
 def decode_rows(x: torch.Tensor, config: KernelConfig) -> int:
@@ -74,7 +71,7 @@ class PendingNorm:
     ss: torch.Tensor
     weight: torch.Tensor
     eps: float
-    quant: "QuantRows | None" = None
+    quant: object = None  # kernels.fp8.QuantRows (which imports this module) or None
 
     def normed(self, config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
         """rms_norm(s), for a consumer that cannot apply the pending norm itself."""
