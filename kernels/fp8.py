@@ -391,8 +391,9 @@ def _sg_quant(spec: tuple[torch.dtype, int] | None, m: int, n: int, device: torc
               config: KernelConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Buffers for a Gluon decode GEMM with a pending norm out to write its sg quantized as well (QUANT_SG), where
     the next FP8 GEMM would quantize sg in a launch of its own in those groups (spec: its (dtype, group),
-    quant_ahead's answer) and config.fp8_sg_quant; else None."""
-    if not (config.fp8_sg_quant and spec == (torch.float8_e4m3fn, 128)):
+    quant_ahead's answer; a pending norm's consumer takes the ring only with config.fp8_tma_ring_normed) and
+    config.fp8_sg_quant; else None."""
+    if not (config.fp8_sg_quant and config.fp8_tma_ring_normed and spec == (torch.float8_e4m3fn, 128)):
         return None
     from tandem.kernels.triton.fp8_tma import sg_quant_buffers
     return sg_quant_buffers(m, n, device)

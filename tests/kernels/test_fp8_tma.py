@@ -512,3 +512,21 @@ def test_quant_sg_matches_the_quantization_launch_gpu(form):
     assert torch.equal(bufs[0].view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(bufs[1][:1], want_s)
     assert not tickets(x.device).any()
+
+
+def test_sg_quant_buffers_only_where_the_next_gemm_takes_them():
+    """kernels.fp8._sg_quant: buffers for QUANT_SG only with fp8_sg_quant and the pending norm's consumer on the
+    ring (fp8_tma_ring_normed), for e4m3 rows in groups of 128 (the next GEMM's quant_ahead); the rows they
+    become are the first M of the scales' 16."""
+    from tandem.kernels import KernelConfig
+    from tandem.kernels.fp8 import _sg_quant, _sg_rows
+    e4m3, cpu = torch.float8_e4m3fn, torch.device("cpu")
+    bufs = _sg_quant((e4m3, 128), 1, 2048, cpu, KernelConfig())
+    assert bufs[0].shape == (1, 2048) and bufs[0].dtype == e4m3 and bufs[1].shape == (16, 16)
+    rows = _sg_rows(bufs, torch.empty(1, 2048, dtype=torch.bfloat16))
+    assert rows.q is bufs[0] and rows.s.shape == (1, 16) and rows.group == 128 and rows.dtype == torch.bfloat16
+    assert _sg_rows(None, torch.empty(1, 2048)) is None
+    for spec, config in (((e4m3, 128), KernelConfig(fp8_sg_quant=False)),
+                         ((e4m3, 128), KernelConfig(fp8_tma_ring_normed=False)),
+                         ((e4m3, 64), KernelConfig()), (None, KernelConfig())):
+        assert _sg_quant(spec, 1, 2048, cpu, config) is None
