@@ -417,30 +417,28 @@ def fp8_linear_add_norm(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: t
     merges them, takes_partials); w: [N, K] fp8; residual: [T, N]; norm_weight: [N]. quant: the next FP8 GEMM's
     (dtype, group) where it would quantize its input in a launch of its own (quant_ahead): the Gluon GEMMs then
     write sg quantized too, the PendingNorm's quant (_sg_quant)."""
-    m, n = residual.shape
+    def gluon(run) -> PendingNorm:  # a Gluon GEMM, run(sg_quant buffers or None) -> (s, sg, ss)
+        bufs = _sg_quant(quant, *residual.shape, residual.device, config)
+        s, sg, ss = run(bufs)
+        return PendingNorm(s, sg, ss, norm_weight, eps, _sg_rows(bufs, sg))
+
     if isinstance(x, SplitPartials):
         if not (takes_partials(x.rows, w, block, config) and norm_weight.dtype == residual.dtype == x.dtype):
             return None
         from tandem.kernels.triton.fp8_tma import fp8_tma_linear
-        bufs = _sg_quant(quant, m, n, residual.device, config)
-        s, sg, ss = fp8_tma_linear(x, w, w_scale, residual, norm_weight, pdl=config.pdl, sg_quant=bufs)
-        return PendingNorm(s, sg, ss, norm_weight, eps, _sg_rows(bufs, sg))
+        return gluon(lambda b: fp8_tma_linear(x, w, w_scale, residual, norm_weight, pdl=config.pdl, sg_quant=b))
     if isinstance(x, QuantRows):
         if not (tma_ring(x.q, w, block, config) and x.group == block[1] and x.q.dtype == w.dtype
                 and norm_weight.dtype == residual.dtype == x.dtype and config.fuse_norms):
             return None
         from tandem.kernels.triton.fp8_tma import fp8_tma_ring_linear
-        bufs = _sg_quant(quant, m, n, residual.device, config)
-        s, sg, ss = fp8_tma_ring_linear(x.q, x.s, w, w_scale, x.dtype, residual, norm_weight, pdl=config.pdl,
-                                        sg_quant=bufs)
-        return PendingNorm(s, sg, ss, norm_weight, eps, _sg_rows(bufs, sg))
+        return gluon(lambda b: fp8_tma_ring_linear(x.q, x.s, w, w_scale, x.dtype, residual, norm_weight,
+                                                   pdl=config.pdl, sg_quant=b))
     if not (_decode_tile(x, block, config) and norm_weight.dtype == residual.dtype == x.dtype):
         return None
     if _tma_gemm(x, w, block, config):
         from tandem.kernels.triton.fp8_tma import fp8_tma_linear
-        bufs = _sg_quant(quant, m, n, residual.device, config)
-        s, sg, ss = fp8_tma_linear(x, w, w_scale, residual, norm_weight, pdl=config.pdl, sg_quant=bufs)
-        return PendingNorm(s, sg, ss, norm_weight, eps, _sg_rows(bufs, sg))
+        return gluon(lambda b: fp8_tma_linear(x, w, w_scale, residual, norm_weight, pdl=config.pdl, sg_quant=b))
     if fp8_decode_rows(x, block, config):
         from tandem.kernels.triton.linear import skinny_linear_add_norm_triton
         s, sg, ss = skinny_linear_add_norm_triton(x, w, residual, norm_weight, pdl=config.pdl, w_scale=w_scale,

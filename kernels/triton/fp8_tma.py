@@ -323,11 +323,18 @@ def _silu_out(acc, part_ptr, ticket_ptr, aq_ptr, as_ptr, out_ptr, fp8_max, rm, r
         gate = gate.to(dt).to(gl.float32)
         act = (gate / (1.0 + gl.exp(-gate))).to(dt).to(gl.float32)  # silu rounded first, as the reference
         y = gl.where(mask, (act * up.to(dt).to(gl.float32)).to(dt).to(gl.float32), 0.0)
-        s = gl.maximum(gl.max(gl.abs(y), axis=0) / fp8_max, 1e-12)
-        q = gl.minimum(gl.maximum(y / s[None, :], -fp8_max), fp8_max).to(aq_ptr.dtype.element_ty)
+        q, s = _quant_group(y, fp8_max, aq_ptr.dtype.element_ty)
         gl.store(aq_ptr + pair * (HALF * BN_) + j * BN_ + rr[:, None] + rm[None, :] * 0, q, mask=mask)
         gl.store(as_ptr + pair * HALF + j + rm * 0, s, mask=rm < M)
         gl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
+def _quant_group(y, fp8_max, q_ty: gl.constexpr):
+    """y [BN, BM] float32, each of its BM rows' BN columns one group -> (y / s clamped, in q_ty; s [BM] =
+    max(amax(|y|) / fp8_max, 1e-12)): quantize_rows_triton's arithmetic (fp8_skinny._quant_tile), transposed."""
+    s = gl.maximum(gl.max(gl.abs(y), axis=0) / fp8_max, 1e-12)
+    return gl.minimum(gl.maximum(y / s[None, :], -fp8_max), fp8_max).to(q_ty), s
 
 
 @gluon.jit
@@ -350,9 +357,7 @@ def _write_out(acc, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_o
         sgv = (sf * g[:, None]).to(y.dtype)
         gl.store(sg_ptr + rm[None, :] * stride_gm + rn[:, None], sgv, mask=mask)
         if QUANT_SG:
-            xq = gl.where(mask, sgv.to(gl.float32), 0.0)
-            sc = gl.maximum(gl.max(gl.abs(xq), axis=0) / fp8_max, 1e-12)
-            q = gl.minimum(gl.maximum(xq / sc[None, :], -fp8_max), fp8_max).to(sq_ptr.dtype.element_ty)
+            q, sc = _quant_group(gl.where(mask, sgv.to(gl.float32), 0.0), fp8_max, sq_ptr.dtype.element_ty)
             gl.store(sq_ptr + rm[None, :] * stride_gm + rn[:, None], q, mask=mask)
             gl.store(sqs_ptr + rm * gl.num_programs(0) + pid_n, sc)
     else:
