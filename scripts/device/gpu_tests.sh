@@ -25,7 +25,10 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do groups+=("$1"); shift; done
 workers=$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))
 # and a worker for each 10 GiB of the GPU: 14 side by side ran out of memory on an H100's 80 GB (a MoE case)
 mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-[ -n "$mib" ] && [ $(( mib / 10240 )) -lt $workers ] && workers=$(( mib / 10240 > 0 ? mib / 10240 : 1 ))
+if [ -n "$mib" ]; then
+  cap=$(( mib / 10240 > 1 ? mib / 10240 : 1 ))
+  [ $cap -lt $workers ] && workers=$cap
+fi
 status=0
 for g in "${groups[@]}"; do
   name=${g%%:*} limit=300
