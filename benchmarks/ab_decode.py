@@ -163,6 +163,50 @@ def kv_cache_bytes(name: str, batch: int, context: int, steps: int, kv_cache_dty
     return per_token * max(batch * (context + steps + 64), MAX_MODEL_LEN + 64) + (256 << 20)
 
 
+def model_rows(name: str, args, configs: dict, plans: dict, bw: float) -> list[dict]:
+    """One model's engines, a variant each, timed in alternating rounds -> a row a variant. The engines live only in
+    this frame (a loop variable left holding one kept a model's weights and KV cache on the GPU while the next
+    model's engines were built: two 8B and two 30B FP8 engines ran an H100 out of memory)."""
+    rows = []
+    moe = "moe" in MODELS[name]["model_type"]
+    engines = {}
+    routed = RoutedExperts(MODELS[name].get("num_experts", 0), MODELS[name].get("num_experts_per_tok", 0))
+    for v, fields in configs.items():
+        with plans_installed(plans[v]), (routed if moe and not engines else contextlib.nullcontext()):
+            engines[v] = build(name, args.fp8, kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=4096,
+                               max_num_seqs=max(8, args.batch), max_model_len=MAX_MODEL_LEN,
+                               kv_cache_memory_bytes=kv_cache_bytes(name, args.batch, args.context, args.steps,
+                                                                    args.kv_cache_dtype),
+                               cuda_graph_sizes=(args.batch,), async_scheduling=True,
+                               enable_prefix_caching=False,  # every run prefills alike, so tokens compare
+                               **fields).engine
+    runner = next(iter(engines.values())).runner
+    experts = []  # distinct experts a layer in each round's last step of the first variant
+    times = {v: [] for v in engines}
+    tokens = {}
+    for r in range(args.rounds):
+        for v, core in engines.items():
+            t, toks = decode(core, args.batch, args.context, args.steps, f"{v}-{r}")
+            times[v] += t
+            tokens.setdefault(v, toks)
+            if moe and v == args.variants[0]:
+                experts += routed.counts(args.batch, MODELS[name]["num_hidden_layers"])
+            print(f"{name} round {r} {v:<28} median {statistics.median(t) * 1e3:.3f} ms", flush=True)
+    active = statistics.mean(experts) if moe else None
+    if moe:
+        print(f"{name}: {active:.1f} distinct experts a layer in a step (min {min(experts)}, max "
+              f"{max(experts)}; one token's top-k {MODELS[name]['num_experts_per_tok']})", flush=True)
+    wbytes = param_bytes(runner, active)
+    floor = (wbytes + kv_bytes(runner, args.batch, args.context)) / bw
+    first = args.variants[0]
+    for v in engines:
+        ms = statistics.median(times[v]) * 1e3
+        rows.append(dict(model=name, variant=v, batch=args.batch, context=args.context, ms=ms,
+                         floor_ms=floor * 1e3, of_floor=floor * 1e3 / ms, experts_a_layer=active,
+                         greedy_agreement=agreement(tokens[first], tokens[v])))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -183,44 +227,8 @@ def main() -> None:
     print(f"{dev}: copy bandwidth {bw / 1e9:.0f} GB/s (measured now)", flush=True)
     rows = []
     for name in args.models:
-        moe = "moe" in MODELS[name]["model_type"]
-        engines = {}
-        routed = RoutedExperts(MODELS[name].get("num_experts", 0), MODELS[name].get("num_experts_per_tok", 0))
-        for v, fields in configs.items():
-            with plans_installed(plans[v]), (routed if moe and not engines else contextlib.nullcontext()):
-                engines[v] = build(name, args.fp8, kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=4096,
-                                   max_num_seqs=max(8, args.batch), max_model_len=MAX_MODEL_LEN,
-                                   kv_cache_memory_bytes=kv_cache_bytes(name, args.batch, args.context, args.steps,
-                                                                        args.kv_cache_dtype),
-                                   cuda_graph_sizes=(args.batch,), async_scheduling=True,
-                                   enable_prefix_caching=False,  # every run prefills alike, so tokens compare
-                                   **fields).engine
-        runner = next(iter(engines.values())).runner
-        experts = []  # distinct experts a layer in each round's last step of the first variant
-        times = {v: [] for v in engines}
-        tokens = {}
-        for r in range(args.rounds):
-            for v, core in engines.items():
-                t, toks = decode(core, args.batch, args.context, args.steps, f"{v}-{r}")
-                times[v] += t
-                tokens.setdefault(v, toks)
-                if moe and v == args.variants[0]:
-                    experts += routed.counts(args.batch, MODELS[name]["num_hidden_layers"])
-                print(f"{name} round {r} {v:<28} median {statistics.median(t) * 1e3:.3f} ms", flush=True)
-        active = statistics.mean(experts) if moe else None
-        if moe:
-            print(f"{name}: {active:.1f} distinct experts a layer in a step (min {min(experts)}, max "
-                  f"{max(experts)}; one token's top-k {MODELS[name]['num_experts_per_tok']})", flush=True)
-        wbytes = param_bytes(runner, active)
-        floor = (wbytes + kv_bytes(runner, args.batch, args.context)) / bw
-        first = args.variants[0]
-        for v in engines:
-            ms = statistics.median(times[v]) * 1e3
-            rows.append(dict(model=name, variant=v, batch=args.batch, context=args.context, ms=ms,
-                             floor_ms=floor * 1e3, of_floor=floor * 1e3 / ms, experts_a_layer=active,
-                             greedy_agreement=agreement(tokens[first], tokens[v])))
-        del engines, runner
-        gc.collect()
+        rows += model_rows(name, args, configs, plans, bw)
+        gc.collect()  # the model's engines went with model_rows' frame: free them before the next model's
         torch.cuda.empty_cache()
     print(f"\n{'model':<15}{'variant':<30}{'ms':>8}{'floor ms':>10}{'of floor':>10}{'same tokens':>13}")
     for r in rows:
