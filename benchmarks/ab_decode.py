@@ -181,6 +181,7 @@ def model_rows(name: str, args, configs: dict, plans: dict, bw: float) -> list[d
                                enable_prefix_caching=False,  # every run prefills alike, so tokens compare
                                **fields).engine
     runner = next(iter(engines.values())).runner
+    first = args.variants[0]  # the reference for greedy agreement, and the variant whose routing is counted
     experts = []  # distinct experts a layer in each round's last step of the first variant
     times = {v: [] for v in engines}
     tokens = {}
@@ -189,7 +190,7 @@ def model_rows(name: str, args, configs: dict, plans: dict, bw: float) -> list[d
             t, toks = decode(core, args.batch, args.context, args.steps, f"{v}-{r}")
             times[v] += t
             tokens.setdefault(v, toks)
-            if moe and v == args.variants[0]:
+            if moe and v == first:
                 experts += routed.counts(args.batch, MODELS[name]["num_hidden_layers"])
             print(f"{name} round {r} {v:<28} median {statistics.median(t) * 1e3:.3f} ms", flush=True)
     active = statistics.mean(experts) if moe else None
@@ -198,7 +199,6 @@ def model_rows(name: str, args, configs: dict, plans: dict, bw: float) -> list[d
               f"{max(experts)}; one token's top-k {MODELS[name]['num_experts_per_tok']})", flush=True)
     wbytes = param_bytes(runner, active)
     floor = (wbytes + kv_bytes(runner, args.batch, args.context)) / bw
-    first = args.variants[0]
     for v in engines:
         ms = statistics.median(times[v]) * 1e3
         rows.append(dict(model=name, variant=v, batch=args.batch, context=args.context, ms=ms,
