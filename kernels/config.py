@@ -79,6 +79,10 @@ class KernelConfig:
     fp8_tma_ring_moe_route: bool = field(default=True, metadata={"help": (
         "those ring experts' router GEMM (a bf16 router weight), top-k and row quantization in one launch "
         "(kernels/triton/routing.py route_token_triton) instead of three")})
+    fp8_tma_ring_moe_rank: bool = field(default=True, metadata={"help": (
+        "with fp8_tma_ring_moe_route: the routing launch writes the router logits only, and every program of the "
+        "experts' w13 and w2 ranks them itself for its expert, so no ticket and second read of the logits sit "
+        "between the router GEMM and w13's first weight copy")})
     fp8_tma_ring_moe_silu: bool = field(default=True, metadata={"help": (
         "those ring experts' w13 writes the SiLU-and-mul of each gate and up strip, quantized for w2, itself (the "
         "last of their programs, a ticket) instead of gate_up for a launch of its own")})

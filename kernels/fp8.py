@@ -363,14 +363,20 @@ def routed_experts_ring(x: torch.Tensor, router_logits: torch.Tensor | None, w13
                         quant: tuple[torch.dtype, int] | None = None):
     """kernels.moe.routed_experts on the ring form (ring_experts), then fp8_tma_ring_experts. router_logits None
     (ring_router): the router GEMM against gate, the top-k and x's row quantized in one launch
-    (route_token_triton), whose ids w13 waits for; else the routing launch, then x's row quantized (not early:
+    (route_token_triton), whose ids w13 waits for (config.fp8_tma_ring_moe_rank: its logits, which w13's and w2's
+    programs rank themselves, no ticket between); else the routing launch, then x's row quantized (not early:
     w13 reads the ids, complete by then, before its wait). norm_in / norm_out as routed_experts takes them; quant
     (with norm_out): the next FP8 GEMM's (dtype, group) for its input, the pending norm's sg (_sg_quant), then
     returned quantized too: (s, sg, ss, QuantRows)."""
     from tandem.kernels.triton.fp8_tma import fp8_tma_ring_experts
+    ranked = None
     if router_logits is None:
         from tandem.kernels.triton.routing import route_token_triton
-        weights, ids, xq, xs = route_token_triton(x, gate, top_k, renormalize, scoring, w13.dtype, norm_in, config.pdl)
+        rank_here = not config.fp8_tma_ring_moe_rank
+        weights, ids, xq, xs = route_token_triton(x, gate, top_k, renormalize, scoring, w13.dtype, norm_in, config.pdl,
+                                                  rank=rank_here)
+        if not rank_here:  # (the logits, which the experts' programs rank themselves)
+            ranked, weights = (weights, top_k, renormalize, scoring), None
     else:
         from tandem.kernels.triton.fp8_skinny import quantize_rows_triton
         from tandem.kernels.triton.routing import topk_routing_triton
@@ -381,7 +387,7 @@ def routed_experts_ring(x: torch.Tensor, router_logits: torch.Tensor | None, w13
     out, sg, ss = fp8_tma_ring_experts(xq, xs, w13, scales[0], w2, scales[1], ids, weights, x.dtype, norm_in,
                                        residual, norm_weight, config.pdl, config.fp8_tma_ring_early,
                                        ids_late=router_logits is None, silu_out=config.fp8_tma_ring_moe_silu,
-                                       sg_quant=bufs)
+                                       sg_quant=bufs, ranked=ranked)
     if norm_out is None:
         return out
     return (out, sg, ss) if bufs is None else (out, sg, ss, _sg_rows(bufs, sg))

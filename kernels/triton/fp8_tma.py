@@ -185,7 +185,9 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
                          NORM_OUT: gl.constexpr, NORM_IN: gl.constexpr, S_PAD: gl.constexpr, PDL: gl.constexpr,
                          num_warps: gl.constexpr, EXPERT_STRIPS: gl.constexpr = 0, EXPERT_SHARES: gl.constexpr = 0,
                          EXPERT_LATE: gl.constexpr = False, SILU_OUT: gl.constexpr = False, aq_ptr=None, as_ptr=None,
-                         fp8_max=1.0, sq_ptr=None, sqs_ptr=None, QUANT_SG: gl.constexpr = False):
+                         fp8_max=1.0, sq_ptr=None, sqs_ptr=None, QUANT_SG: gl.constexpr = False,
+                         num_experts=1, RANK: gl.constexpr = False, E_PAD: gl.constexpr = 32,
+                         TOP_K: gl.constexpr = 1, SOFTMAX: gl.constexpr = True, RENORMALIZE: gl.constexpr = False):
     """The ring form (fp8_tma_ring_linear): x quantized ahead (fp8 rows by TMA, their scales xs [M, K / 128]),
     TILES K tiles a program through STAGES shared-memory stages of a weight tile and its x tile, one mbarrier a
     stage; the first STAGES weight tiles requested before the wait, a stage refilled with the tile STAGES ahead
@@ -202,7 +204,10 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     SILU_OUT (w13, EXPERT_STRIPS): no gate_up out; each pair's activation silu(gate) * up quantized instead, as
     kernels/triton/activation.py's silu_and_mul_quant_triton writes it (aq [top_k, I] fp8, as [top_k, I / 128]):
     the 2 * SPLIT programs of a gate strip and its up strip write float32 partials and take one ticket, and the
-    last of them sums both, a 128-column group of the activation (_silu_out)."""
+    last of them sums both, a 128-column group of the activation (_silu_out).
+    RANK (with EXPERT_STRIPS or EXPERT_SHARES): ids_ptr holds the token's router logits [num_experts] float32,
+    not its ids: each program ranks them itself (_ranked_expert) for its pair's expert and routing weight, so the
+    routing launch ahead takes no ticket."""
     BN_: gl.constexpr = w_desc.block_type.shape[0]
     BK_: gl.constexpr = w_desc.block_type.shape[1]
     BM_: gl.constexpr = x_desc.block_type.shape[0]
@@ -217,11 +222,23 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if EXPERT_STRIPS > 0:
-        w_row = gl.load(ids_ptr + pid_n // EXPERT_STRIPS) * EXPERT_STRIPS + pid_n % EXPERT_STRIPS
+        if RANK:
+            expert, _ = _ranked_expert(ids_ptr, num_experts, pid_n // EXPERT_STRIPS, E_PAD, TOP_K, SOFTMAX,
+                                       RENORMALIZE, num_warps)
+        else:
+            expert = gl.load(ids_ptr + pid_n // EXPERT_STRIPS)
+        w_row = expert * EXPERT_STRIPS + pid_n % EXPERT_STRIPS
+    pair_w = 1.0
     if EXPERT_SHARES > 0:
-        w_row = gl.load(ids_ptr + pid_k // EXPERT_SHARES) * gl.num_programs(0) + pid_n
-        wk0 = pid_k % EXPERT_SHARES * TILES
         x_row = pid_k // EXPERT_SHARES
+        if RANK:
+            expert, pair_w = _ranked_expert(ids_ptr, num_experts, x_row, E_PAD, TOP_K, SOFTMAX, RENORMALIZE,
+                                            num_warps)
+        else:
+            expert = gl.load(ids_ptr + x_row)
+            pair_w = gl.load(topk_w_ptr + x_row)
+        w_row = expert * gl.num_programs(0) + pid_n
+        wk0 = pid_k % EXPERT_SHARES * TILES
 
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN_, BK_], w_desc.layout)
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM_, BK_], x_desc.layout)
@@ -259,7 +276,7 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     xs = gl.load(xs_ptr + (x_row + j % BM_) * stride_xs + wk0 + j // BM_, mask=(j % BM_ < M) & (j // BM_ < TILES),
                  other=0.0)
     if EXPERT_SHARES > 0:
-        xs = xs * gl.load(topk_w_ptr + x_row)
+        xs = xs * pair_w
     xs_smem = gl.allocate_shared_memory(gl.float32, [T_PAD * BM_], gl.SwizzledSharedLayout(1, 1, 1, order=[0]), xs)
     rstd = gl.full([BM_], 1.0, gl.float32, gl.SliceLayout(0, mma))
     if NORM_IN:
@@ -292,6 +309,36 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     else:
         _finish(acc, out_ptr, part_ptr, ticket_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, pid_k, N, stride_om,
                 stride_gm, SPLIT, NORM_OUT, sq_ptr, sqs_ptr, fp8_max, QUANT_SG)
+
+
+@gluon.jit
+def _ranked_expert(logits_ptr, num_experts, slot, E_PAD: gl.constexpr, TOP_K: gl.constexpr, SOFTMAX: gl.constexpr,
+                   RENORMALIZE: gl.constexpr, num_warps: gl.constexpr):
+    """(expert id, routing weight) of top-k slot `slot` of one token's router logits [num_experts] float32: the
+    scores, keys and rounds of kernels/triton/routing.py's topk_of_rows (ties to the lower id), every warp holding
+    all E_PAD logits (its reductions stay within the warp)."""
+    lay: gl.constexpr = gl.BlockedLayout([E_PAD // 32], [32], [num_warps], [0])
+    ex = gl.arange(0, E_PAD, layout=lay)
+    ok = ex < num_experts
+    x = gl.load(logits_ptr + ex, mask=ok, other=float("-inf"))
+    if SOFTMAX:
+        p = gl.exp(x - gl.max(x, axis=0))
+        scores = p / gl.sum(p, axis=0)
+    else:
+        scores = 1 / (1 + gl.exp(-x))
+    keys = (scores.to(gl.int32, bitcast=True).to(gl.int64) << 32) | (E_PAD - 1 - ex)
+    keys = gl.where(ok, keys, -1)
+    picked = gl.max(keys, axis=0)
+    total = 0.0
+    for i in gl.static_range(TOP_K):
+        best = gl.max(keys, axis=0)
+        total += (best >> 32).to(gl.int32).to(gl.float32, bitcast=True)
+        picked = gl.where(slot == i, best, picked)
+        keys = gl.where(keys == best, -1, keys)
+    w = (picked >> 32).to(gl.int32).to(gl.float32, bitcast=True)
+    if RENORMALIZE:
+        w = w / total
+    return (E_PAD - 1 - (picked & 0xFFFFFFFF)).to(gl.int32), w
 
 
 @gluon.jit
@@ -592,7 +639,8 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
                          dtype: torch.dtype, norm_in: tuple[torch.Tensor, float] | None = None,
                          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                          pdl: bool = True, early: bool = True, ids_late: bool = False, silu_out: bool = True,
-                         sg_quant: tuple[torch.Tensor, torch.Tensor] | None = None
+                         sg_quant: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         ranked: tuple[torch.Tensor, int, bool, str] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token's routed experts on the ring form, every expert held here (ring_experts_supports): xq [1, H] e4m3
     and xs [1, H / 128] its row quantized ahead (norm_in: a pending norm's sg, as fp8_tma_ring_linear takes it);
@@ -604,11 +652,23 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
     (KernelConfig.fp8_tma_ring_moe_silu off): w13 writes gate_up and the SiLU-and-mul is a launch between (early:
     letting w2 in before its wait). On an H200 the fused form took the Qwen3-30B-A3B b=1 step from 2.105 to 2.087
     ms (benchmarks/RESULTS.md). -> (out [1, H] in dtype, sg, ss) as fp8_tma_ring_linear (residual and norm_weight:
-    NORM_OUT; sg_quant: as fp8_tma_linear's)."""
+    NORM_OUT; sg_quant: as fp8_tma_linear's). ranked = (logits [E] float32, top_k, renormalize, scoring), with
+    ids and topk_w None and ids_late: the router's logits from the launch just ahead (route_token_triton with rank
+    False), which every program of both launches ranks itself (RANK)."""
     from tandem.kernels.triton.activation import silu_and_mul_quant_triton
     e, two_i, h = w13.shape
-    inter, top_k = two_i // 2, ids.shape[-1]
     dev = xq.device
+    if ranked is not None:
+        if not ids_late or ids is not None or topk_w is not None:
+            raise ValueError("fp8_tma_ring_experts: ranked logits come from the launch just ahead (ids_late), "
+                             "in place of ids and topk_w")
+        logits, top_k, renormalize, scoring = ranked
+        ids = topk_w = logits
+        rank = dict(num_experts=e, RANK=True, E_PAD=max(32, triton.next_power_of_2(e)), TOP_K=top_k,
+                    SOFTMAX=scoring == "softmax", RENORMALIZE=renormalize)
+    else:
+        top_k, rank = ids.shape[-1], {}
+    inter = two_i // 2
     ids, topk_w = ids.reshape(-1).contiguous(), topk_w.reshape(-1).contiguous()
     n1 = top_k * two_i
     split, stages = ring_plan(n1, h, num_sms(dev))
@@ -626,7 +686,7 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
         STAGES=min(stages, tiles), SPLIT=split, NORM_OUT=False, NORM_IN=norm_in is not None,
         S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in else 1, num_warps=4, EXPERT_STRIPS=two_i // BN,
         EXPERT_LATE=ids_late, SILU_OUT=silu_out, aq_ptr=aq, as_ptr=a_s, fp8_max=float(torch.finfo(xq.dtype).max),
-        **launch_args(xq, pdl))
+        **rank, **launch_args(xq, pdl))
     if not silu_out:
         aq, a_s = silu_and_mul_quant_triton(gate_up.view(top_k, two_i), xq.dtype, BK, pdl, early=early)
     norm = residual is not None
@@ -645,7 +705,8 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
         inter, a_s.stride(0), s2.stride(0), out.stride(0), res.stride(0), sg.stride(0), 1, 0.0, ids, topk_w,
         TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=min(w2_stages, tiles),
         SPLIT=top_k * shares, NORM_OUT=norm, NORM_IN=False, S_PAD=1, num_warps=4, EXPERT_SHARES=shares,
-        fp8_max=float(torch.finfo(torch.float8_e4m3fn).max), **_sg_quant_args(sg_quant, norm), **launch_args(aq, pdl))
+        fp8_max=float(torch.finfo(torch.float8_e4m3fn).max), **_sg_quant_args(sg_quant, norm), **rank,
+        **launch_args(aq, pdl))
     return out, sg, ss
 
 

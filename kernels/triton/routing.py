@@ -110,11 +110,12 @@ def _route_token_kernel(x_ptr, gate_ptr, ss_in_ptr, in_strips, eps, logits_ptr, 
                         EB: tl.constexpr, K_BLOCK: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                         E_PAD: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
                         NORM_IN: tl.constexpr, S_PAD: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
-                        PDL: tl.constexpr):
+                        PDL: tl.constexpr, RANK: tl.constexpr = True):
     """One token's router GEMM, top-k and quantized row in one launch (route_token_triton). Programs below
     router_programs: EB experts' logits each (their router weight rows loaded before the wait), rounded to the
-    logits' dtype (the router GEMM's output), then a ticket: the last of them ranks all the logits as
-    _topk_routing_kernel does. The others: GROUPS groups of GROUP columns of x quantized (_quant_tile)."""
+    logits' dtype (the router GEMM's output), then (RANK) a ticket: the last of them ranks all the logits as
+    _topk_routing_kernel does; without RANK the logits are the launch's answer (the experts' kernels rank them).
+    The others: GROUPS groups of GROUP columns of x quantized (_quant_tile)."""
     pid = tl.program_id(0)
     kk = tl.arange(0, K_BLOCK)
     if pid < router_programs:
@@ -128,16 +129,17 @@ def _route_token_kernel(x_ptr, gate_ptr, ss_in_ptr, in_strips, eps, logits_ptr, 
             sp = tl.arange(0, S_PAD)
             acc *= tl.rsqrt(tl.sum(tl.load(ss_in_ptr + sp, mask=sp < in_strips, other=0.0), axis=0) / K + eps)
         tl.store(logits_ptr + e, acc.to(x_ptr.dtype.element_ty).to(tl.float32), mask=e < num_experts)
-        tl.debug_barrier()  # every thread's logits are written before the ticket is taken
-        if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == router_programs - 1:
-            ex = tl.arange(0, E_PAD)
-            lg = tl.load(logits_ptr + ex[None, :], mask=(ex < num_experts)[None, :], other=float("-inf"),
-                         cache_modifier=".cg")
-            top_w, top_id = topk_of_rows(lg, ex, ex < num_experts, TOP_K, K_PAD, E_PAD, SOFTMAX, RENORMALIZE)
-            k = tl.arange(0, K_PAD)[None, :]
-            tl.store(weights_ptr + k, top_w, mask=k < TOP_K)
-            tl.store(ids_ptr + k, top_id, mask=k < TOP_K)
-            tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
+        if RANK:
+            tl.debug_barrier()  # every thread's logits are written before the ticket is taken
+            if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == router_programs - 1:
+                ex = tl.arange(0, E_PAD)
+                lg = tl.load(logits_ptr + ex[None, :], mask=(ex < num_experts)[None, :], other=float("-inf"),
+                             cache_modifier=".cg")
+                top_w, top_id = topk_of_rows(lg, ex, ex < num_experts, TOP_K, K_PAD, E_PAD, SOFTMAX, RENORMALIZE)
+                k = tl.arange(0, K_PAD)[None, :]
+                tl.store(weights_ptr + k, top_w, mask=k < TOP_K)
+                tl.store(ids_ptr + k, top_id, mask=k < TOP_K)
+                tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
     else:
         wait_previous(PDL)
         gi = (pid - router_programs) * GROUPS + tl.arange(0, GROUPS)
@@ -166,12 +168,14 @@ def route_token_supports(x: torch.Tensor, gate: torch.Tensor) -> bool:
 
 
 def route_token_triton(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool, scoring: str,
-                       q_dtype: torch.dtype, norm_in: tuple[torch.Tensor, float] | None = None, pdl: bool = True
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       q_dtype: torch.dtype, norm_in: tuple[torch.Tensor, float] | None = None, pdl: bool = True,
+                       rank: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token's x [1, K] (route_token_supports) -> (topk_weights [1, k] float32, topk_ids [1, k] int32, q [1,
     K] q_dtype, s [1, K / 128] float32): the router GEMM x @ gate.T (norm_in = (ss, eps): x is a pending norm's
     s * weight, the logits scaled by its 1/rms), ranked as topk_routing_triton ranks them, and x quantized in
-    groups of 128 as quantize_rows_triton does, in one launch."""
+    groups of 128 as quantize_rows_triton does, in one launch. rank False: no ranking here, (logits [E] float32,
+    the router GEMM's output rounded to x's dtype, None, q, s) for kernels that rank them themselves
+    (fp8_tma.fp8_tma_ring_experts' logits)."""
     num_experts, k = gate.shape
     check_routing(gate.t(), top_k, scoring)
     k_block = triton.next_power_of_2(k)
@@ -193,5 +197,5 @@ def route_token_triton(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormal
         float(torch.finfo(q_dtype).max), programs, EB=eb, K_BLOCK=k_block, TOP_K=top_k,
         K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts), SOFTMAX=scoring == "softmax",
         RENORMALIZE=renormalize, NORM_IN=norm_in is not None, S_PAD=triton.next_power_of_2(in_strips), GROUP=128,
-        GROUPS=groups, num_warps=plan.get("num_warps", 4), **launch_args(x, pdl))
-    return weights, ids, q, qs
+        GROUPS=groups, RANK=rank, num_warps=plan.get("num_warps", 4), **launch_args(x, pdl))
+    return (weights, ids, q, qs) if rank else (logits, None, q, qs)

@@ -227,7 +227,8 @@ def test_w2_plan(monkeypatch):
 
 
 def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: bool, pdl: bool = True,
-                  strips: int = 0, shares: int = 0, late: bool = False, silu: bool = False, quant_sg: bool = False):
+                  strips: int = 0, shares: int = 0, late: bool = False, silu: bool = False, quant_sg: bool = False,
+                  rank: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -244,9 +245,12 @@ def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: 
     consts = dict(TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=stages, SPLIT=split, NORM_OUT=norm_out,
                   NORM_IN=norm_in, S_PAD=32, PDL=pdl, num_warps=4, EXPERT_STRIPS=strips, EXPERT_SHARES=shares,
                   EXPERT_LATE=late, SILU_OUT=silu, QUANT_SG=quant_sg)
+    # RANK: Qwen3-30B-A3B's routing (128 experts, top 8, softmax, renormalized)
+    consts.update(RANK=rank, E_PAD=128, TOP_K=8, SOFTMAX=True, RENORMALIZE=True)
     sig = {"w_desc": _w_desc(w).__mangle__(), "x_desc": x_desc.__mangle__(), **ptrs, **{n: "i32" for n in ints},
-           "eps": "fp32", "ids_ptr": "*i32", "topk_w_ptr": "*fp32", **{n: "constexpr" for n in consts},
-           "aq_ptr": "*fp8e4nv", "as_ptr": "*fp32", "fp8_max": "fp32", "sq_ptr": "*fp8e4nv", "sqs_ptr": "*fp32"}
+           "eps": "fp32", "ids_ptr": "*fp32" if rank else "*i32", "topk_w_ptr": "*fp32",
+           **{n: "constexpr" for n in consts}, "aq_ptr": "*fp8e4nv", "as_ptr": "*fp32", "fp8_max": "fp32",
+           "sq_ptr": "*fp8e4nv", "sqs_ptr": "*fp32", "num_experts": "i32"}
     return triton.compile(GluonASTSource(_fp8_tma_ring_kernel, sig, constexprs=consts),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
@@ -296,6 +300,27 @@ def test_ring_experts_late_read_their_expert_after_the_wait():
     loads = [i for i in range(len(ptx)) if ptx.startswith("ld.global", i)]
     assert ptx.count("griddepcontrol.wait") == 1 and wait < min(loads)
     assert wait < ptx.index("cp.async.bulk.tensor")
+
+
+@pytest.mark.parametrize("strips,shares", [(12, 0), (0, 1)])
+def test_ring_experts_rank_the_logits_themselves(strips, shares):
+    """RANK (KernelConfig.fp8_tma_ring_moe_rank): w13 (EXPERT_LATE) reads the router logits after its PDL wait and
+    w2 before its wait, ahead of the first weight copy whose row the ranking picks; the top-k rounds are warp
+    reductions (no shared-memory reduction, no ticket of their own), with the softmax's exp ahead of them."""
+    tiles = 8 if strips else 6
+    stages = min(6, tiles) if strips else 4
+    args = (tiles, stages, 2 if strips else 8 * shares, bool(shares), bool(strips))
+    ranked = _compile_ring(*args, strips=strips, shares=shares, late=bool(strips), rank=True).asm["ptx"]
+    plain = _compile_ring(*args, strips=strips, shares=shares, late=bool(strips)).asm["ptx"]
+    wait = ranked.index("griddepcontrol.wait")
+    first_copy = ranked.index("cp.async.bulk.tensor")
+    logits = [i for i in range(len(ranked)) if ranked.startswith("ld.global", i)][0]
+    assert (logits > wait) == bool(strips) and logits < first_copy
+    assert "ex2.approx" in ranked and "ex2.approx" not in plain
+    # each of the 8 rounds: a 64-bit max across the warp, two redux.sync (the high word, then the low)
+    assert ranked.count("redux.sync.max") >= plain.count("redux.sync.max") + 2 * 8
+    assert ranked.count("atom.") == plain.count("atom.")  # the ring's own tickets only
+    assert ranked.count("bar.sync") == plain.count("bar.sync")  # no cross-warp reduction added
 
 
 @pytest.mark.parametrize("form", ["tma", "ring", "w2"])
@@ -387,6 +412,47 @@ def test_ring_matches_reference_gpu(m, n, k, mode):
             assert torch.allclose(sg.float(), (sf * gamma.float()).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
             assert ss.shape == (16, n // 128) and not ss[m:].any()
             assert torch.allclose(ss[:m].sum(1), (sf * sf).sum(1), rtol=1e-3)
+    assert not tickets(x.device).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e,top_k,renorm,scoring", [(128, 8, True, "softmax"), (16, 4, False, "sigmoid")])
+@pytest.mark.parametrize("norm_in", [False, True])
+def test_ring_experts_rank_their_logits_gpu(e, top_k, renorm, scoring, norm_in):
+    """KernelConfig.fp8_tma_ring_moe_rank: the routing launch writes the router logits only and w13's and w2's
+    programs rank them themselves; against the routing launch ranking them (the same experts, weights to float32
+    rounding) and against the reference (the router GEMM rounded to bf16, torch's top-k, the FP8 experts'
+    reference), with and without a pending norm ahead (its 1/rms scaling the logits)."""
+    g, _, _, _ = hopper_block_case(1, 128, 128)
+    from tandem.kernels import KernelConfig
+    from tandem.kernels.fp8 import fused_experts_fp8_ref, quantize_weight, ring_experts, ring_router
+    from tandem.kernels.moe import routed_experts, topk_routing_ref
+    from tandem.kernels.triton.device import tickets
+    dev, h, inter = "cuda", 2048, 768
+    w13, s13 = quantize_weight(torch.randn(e * 2 * inter, h, device=dev, generator=g) * 0.05, block=(128, 128))
+    w2, s2 = quantize_weight(torch.randn(e * h, inter, device=dev, generator=g) * 0.05, block=(128, 128))
+    w13, s13, w2, s2 = (t.view(e, -1, t.shape[-1]) for t in (w13, s13, w2, s2))
+    scales = (s13, s2, (128, 128))
+    x = torch.randn(1, h, device=dev, dtype=torch.bfloat16, generator=g)
+    gate = (torch.randn(e, h, device=dev, generator=g) / h**0.5).to(torch.bfloat16)
+    on, off = KernelConfig(fp8_tma_ring_moe_rank=True), KernelConfig(fp8_tma_ring_moe_rank=False)
+    assert ring_experts(x, w13, w2, scales, top_k) and ring_router(x, gate, on)
+    kw, x_ref, rstd = {}, x, 1.0
+    if norm_in:  # 1/rms = 1/2, as test_ring_experts_match_reference_gpu takes it
+        ss = torch.zeros(16, h // 128, device=dev)
+        ss[0] = 4 * 128 * torch.rand(h // 128, device=dev, generator=g).softmax(0) * (h // 128)
+        kw, x_ref, rstd = dict(norm_in=(ss, 0.0)), x * 0.5, 0.5
+    logits = ((x.float() @ gate.float().t()) * rstd).to(torch.bfloat16)
+    weights, ids = topk_routing_ref(logits, top_k, renorm, scoring)
+    ref = fused_experts_fp8_ref(x_ref, w13, s13, w2, s2, weights, ids, (128, 128)).float()
+    outs = []
+    for config in (on, on, off):  # twice ranked: nothing is left over between launches
+        out = routed_experts(x, None, w13, w2, top_k, renorm, scoring, scales=scales, config=config, gate=gate,
+                             **kw).float()
+        assert ((out - ref).norm() / ref.norm()).item() < 2e-2
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert ((outs[0] - outs[2]).norm() / outs[2].norm()).item() < 1e-3
     assert not tickets(x.device).any()
 
 

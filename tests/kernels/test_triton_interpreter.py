@@ -104,6 +104,11 @@ def run_case(name: str) -> None:
                 q_ref, qs_ref = quantize_rows(x, torch.float16, 128)
                 assert torch.equal(ids, ids_ref) and torch.allclose(w, w_ref, atol=1e-6), (ids, ids_ref)
                 assert torch.equal(q.float(), q_ref.float()) and torch.allclose(qs, qs_ref, rtol=1e-6)
+            # rank False: the logits only, rounded to x's dtype (the experts' kernels rank them)
+            lg, none, q, qs = route_token_triton(x, gate, 4, True, "softmax", torch.float16, norm_in, rank=False)
+            assert none is None and torch.equal(lg, lg.half().float())
+            assert torch.allclose(lg, logits[0], rtol=2e-3, atol=1e-3)
+            assert torch.equal(q.float(), q_ref.float()) and torch.allclose(qs, qs_ref, rtol=1e-6)
         # Qwen3-30B-A3B's 128 experts and top 8 (16 router programs), sigmoid scores unnormalized
         gate = (torch.randn(128, 512) / 8).half()
         w_ref, ids_ref = topk_routing_ref((x.float() @ gate.float().t()).half(), 8, False, "sigmoid")
