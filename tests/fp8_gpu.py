@@ -24,3 +24,18 @@ def hopper_block_case(m: int, n: int, k: int) -> tuple[torch.Generator, torch.Te
     w, ws = quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05,
                             block=(128, 128))
     return g, w, ws, torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+
+
+def assert_codes_match(got: torch.Tensor, ref: torch.Tensor, rare: float = 1e-5) -> None:
+    """fp8 codes a kernel wrote against torch's (kernels.fp8.quantize_rows) of the same values: equal, save a rare
+    few (at most max(2, rare * numel)) one code apart with the same sign. Triton's float32 `x / s` compiles to
+    div.full.f32 (within 2 ulp) where torch divides in IEEE float32, so a quotient within 2 ulp of a rounding
+    midpoint between two codes may take the neighbouring one; a wrong scale, rounding mode or element moves far
+    more codes, or further."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype, (got.shape, ref.shape, got.dtype, ref.dtype)
+    g, r = got.view(torch.uint8).int(), ref.view(torch.uint8).int()
+    off = g != r
+    n = int(off.sum())
+    assert n <= max(2, rare * g.numel()), f"{n} of {g.numel()} codes differ"
+    g, r = g[off], r[off]
+    assert torch.equal(g & 0x80, r & 0x80) and bool(((g & 0x7F) - (r & 0x7F)).abs().le(1).all()), (g, r)

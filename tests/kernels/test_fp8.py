@@ -778,3 +778,26 @@ def test_fp8_w8a16_plans_compile_for_sm90(block_k):
             assert "prmt.b32" in ptx and "cvt.rn.f16x2.e4m3x2" not in ptx, what
             assert "cp.async" in ptx, what
             assert compiled.metadata.shared <= SMEM_LIMIT, (what, compiled.metadata.shared)
+
+
+def test_assert_codes_match_takes_only_rare_neighbouring_codes():
+    """tests/fp8_gpu.py assert_codes_match (a kernel's fp8 codes against torch's): equal codes pass, and so do two one
+    code apart with the same sign; a code two apart, a sign flipped, or many codes one apart fail."""
+    from tests.fp8_gpu import assert_codes_match
+    ref = (torch.randn(64, 512) * 50).to(torch.float8_e4m3fn)
+    assert_codes_match(ref.clone(), ref)
+    bits = ref.view(torch.uint8).clone()
+    i = torch.nonzero((bits & 0x7F) > 2)[:2, :]
+    near = bits.clone()
+    near[i[:, 0], i[:, 1]] -= 1
+    assert_codes_match(near.view(torch.float8_e4m3fn), ref)
+    two = bits.clone()
+    two[i[0, 0], i[0, 1]] -= 2
+    sign = bits.clone()
+    sign[i[0, 0], i[0, 1]] ^= 0x80
+    many = bits.clone()
+    cols = torch.nonzero((bits[0] & 0x7F) > 2)[:10, 0]
+    many[0, cols] -= 1
+    for bad in (two, sign, many):
+        with pytest.raises(AssertionError):
+            assert_codes_match(bad.view(torch.float8_e4m3fn), ref)

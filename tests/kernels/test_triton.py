@@ -14,6 +14,7 @@ from tandem.kernels.kv_cache import store_kvcache_ref
 from tandem.kernels.moe import fused_experts_ref, topk_routing, topk_routing_ref
 from tandem.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from tandem.kernels.rotary import apply_rotary_ref, build_cos_sin_cache, rotary_store_kvcache_ref
+from tests.fp8_gpu import assert_codes_match
 
 DEVICE = "cuda"
 pytestmark = [pytest.mark.gpu,
@@ -214,9 +215,10 @@ def test_paged_attention_launch_variants(heavy_first, offs_32):
 
 @pytest.mark.parametrize("case", ["mixed", "decode", "long_decode"])
 def test_paged_attention_quant_out(case):
-    """The output written as the FP8 o projection's input (one e4m3 scale a token's head): exactly
-    kernels.fp8.quantize_rows of the same launch's bf16 output, on every plan the cases take
-    (prefill, decode, split-K with its merge)."""
+    """The output written as the FP8 o projection's input (one e4m3 scale a token's head): kernels.fp8.quantize_rows
+    of the same launch's bf16 output, on every plan the cases take (prefill, decode, split-K with its merge); the
+    codes equal save a rare one a code apart (tests/fp8_gpu.py assert_codes_match: the kernel's division is
+    div.full.f32, torch's IEEE; one such code failed an exact comparison once in the thirty-sixth session)."""
     from tandem.kernels.fp8 import fp8_dtype, has_fp8_compute, quantize_rows
     from tandem.kernels.triton.attention import paged_attention_triton
     if not has_fp8_compute(torch.device(DEVICE)):
@@ -227,7 +229,8 @@ def test_paged_attention_quant_out(case):
     ref_q, ref_s = quantize_rows(paged_attention_triton(*args, 0.09, *bounds).flatten(1), fp8_dtype(DEVICE), 128)
     _poison(ref_q.numel() * 4 * 8)
     got_q, got_s = paged_attention_triton(*args, 0.09, *bounds, quant=(fp8_dtype(DEVICE), 128))
-    assert torch.equal(got_s, ref_s) and torch.equal(got_q.float(), ref_q.float())
+    assert torch.allclose(got_s, ref_s, rtol=1e-6, atol=0)
+    assert_codes_match(got_q, ref_q)
 
 
 @pytest.mark.parametrize("plan", [
