@@ -372,13 +372,10 @@ def routed_experts_ring(x: torch.Tensor, router_logits: torch.Tensor | None, w13
     ranked = None
     if router_logits is None:
         from tandem.kernels.triton.routing import route_token_triton
-        if config.fp8_tma_ring_moe_rank:  # the logits alone, which the experts' programs rank themselves
-            logits, ids, xq, xs = route_token_triton(x, gate, top_k, renormalize, scoring, w13.dtype, norm_in,
-                                                     config.pdl, rank=False)
-            ranked, weights = (logits, top_k, renormalize, scoring), None
-        else:
-            weights, ids, xq, xs = route_token_triton(x, gate, top_k, renormalize, scoring, w13.dtype, norm_in,
-                                                      config.pdl)
+        rank_here = not config.fp8_tma_ring_moe_rank  # else the logits alone, which the experts' programs rank
+        routed, ids, xq, xs = route_token_triton(x, gate, top_k, renormalize, scoring, w13.dtype, norm_in, config.pdl,
+                                                 rank=rank_here)
+        weights, ranked = (routed, None) if rank_here else (None, (routed, top_k, renormalize, scoring))
     else:
         from tandem.kernels.triton.fp8_skinny import quantize_rows_triton
         from tandem.kernels.triton.routing import topk_routing_triton
