@@ -17,7 +17,9 @@ to `--context` tokens, then per decode step reports
       names), each position's exposed time and duration averaged over the layers: which GEMM or
       attention launch of a layer loses the time, where (e) and (f) sum each kernel name,
 and, per linear layer of layer 0, the GEMM at this batch (achieved GB/s). To profile another
-kernel configuration, pass its flags (--no-pdl, --no-fuse-norms, ...: engine/config.py, KernelConfig).
+kernel configuration, pass its flags (--no-pdl, --no-fuse-norms, ...: engine/config.py, KernelConfig); other
+tile plans, `--plans F` (a plan_tune JSON file, installed while the engine is built and profiled, as
+benchmarks.ab_decode's `plans=F` variants).
 
   python -m benchmarks.profile_decode --model llama3-8b --batch 1 --context 1024 --out p.json
   python -m benchmarks.profile_decode --fp8 block --kv-cache-dtype fp8 --batch 1   # an FP8 step
@@ -344,8 +346,18 @@ def main() -> None:
                     help="FP8 weights, as benchmarks.roofline --fp8 builds them")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the engine's --kv-cache-dtype")
     kernel_flags(ap)
+    ap.add_argument("--plans", default=None, help="a plan_tune JSON file: its plans in the tables (the decode "
+                                                   "attention's through plan_tune's hook) while the engine is built "
+                                                   "and profiled, as benchmarks.ab_decode's plans= variants")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from benchmarks.ab_decode import plans_installed, tuned_plans
+    with plans_installed(tuned_plans(f"plans={args.plans}") if args.plans else []):
+        profile(args)
+
+
+def profile(args: argparse.Namespace) -> None:
+    """The profile main() prints, of the configuration args name."""
     from tandem.engine import SamplingParams
     from tandem.engine.protocol import EngineRequest
 

@@ -426,8 +426,11 @@ PLANS: dict[tuple[int, int], dict] = {
 
 def rows_for(m: int, n: int, k: int) -> int:
     """The x rows (the wgmma's N) a program of fp8_tma_linear stages for M = m: 8 where m <= 8, which leaves
-    the Llama-3-8B o projection's programs (SPLIT 8) 77 KB of shared memory, not 88: two of them fit an SM beside
-    an attention program (68 KB), so all 256 are resident, loading their weight, while the attention runs."""
+    the Llama-3-8B o projection's programs (SPLIT 8) 77 KB of shared memory, not 88: by shared memory two of them
+    fit an SM beside a split-K attention program (68 KB). By registers they do not: that attention program (8 warps,
+    KV_EARLY's tile held across its wait) takes 248-254 registers a thread (ptxas 12.8 with Triton 3.6, and 13.4),
+    all of an SM's 64K, so only the SMs without one of its 64 live programs take o's programs during the attention
+    (sm_90 compiles, thirty-eighth session; an o program: 102 registers, 4 warps)."""
     return PLANS.get((n, k), {}).get("ROWS", 8 if m <= 8 else 16)
 
 

@@ -1,7 +1,12 @@
 """benchmarks.profile_decode's chain attribution (what each kernel of a PDL chain adds to a replay's
 span) on hand-made timelines: no GPU, no timing asserted."""
-import pytest
+import json
+import sys
 
+import pytest
+import torch
+
+from benchmarks import profile_decode
 from benchmarks.profile_decode import chain_attribution
 
 
@@ -51,3 +56,20 @@ def test_layer_chain_finds_the_repeating_layer_and_averages_its_positions():
 def test_layer_chain_of_nothing_is_empty():
     from benchmarks.profile_decode import layer_chain
     assert layer_chain([])["kernels"] == [] and layer_chain([[("a", 0, 1)]])["period"] == 0
+
+
+def test_a_plans_file_is_installed_while_profiling_and_removed_after(tmp_path, monkeypatch):
+    """--plans F: the decode attention's plan_tune override is in place while the profile runs (the engine is built
+    and its graphs captured inside it), and the rule is back after."""
+    from tandem.kernels.triton import attention
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(dict(walks=[dict(what="decode attention", best={"num_stages": 1})])))
+    q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)  # one decode token of a Llama-3-8B-shaped layer
+    args = (q, 4, 1, 8, 1, 8192, False, 1)  # (GQA group 4, 8 KV heads, graphs' 8192-key bound, fp8 cache)
+    rule = attention._launch_plans
+    seen = []
+    monkeypatch.setattr(profile_decode, "profile", lambda a: seen.append(attention._launch_plans(*args)[0]["num_stages"]))
+    monkeypatch.setattr(sys, "argv", ["profile_decode", "--plans", str(f)])
+    profile_decode.main()
+    assert seen == [1] and rule(*args)[0]["num_stages"] != 1
+    assert attention._launch_plans is rule
