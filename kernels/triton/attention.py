@@ -217,6 +217,13 @@ def _attend_tiles_ahead(
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Each pointer's line into L2 (prefetch.global.L2; CUDA only): nothing is read into registers, nothing waits."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _norm_rotate(rows, mask, d_off, partner, cos, sin, w_ptr, eps, NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Rows [R, D_PAD] at rows + d_off, RMS-normalized over HEAD_DIM with w (NORM; rounded as
     rms_norm_ref rounds) and rotated NeoX-style: x * cos + x[partner] * sin, where partner is
@@ -258,12 +265,15 @@ def _paged_attention_kernel(
     HEAVY_FIRST: tl.constexpr, OFFS_32: tl.constexpr, DENSE: tl.constexpr, BT_SCALAR: tl.constexpr,
     ROPE: tl.constexpr, QK_NORM: tl.constexpr, ROT: tl.constexpr, FAST_CVT: tl.constexpr, PDL: tl.constexpr,
     KV_AHEAD: tl.constexpr = False, QUANT_OUT: tl.constexpr = False, PIN_K: tl.constexpr = False,
-    KV_EARLY: tl.constexpr = False,
+    KV_EARLY: tl.constexpr = False, KV_PREFETCH: tl.constexpr = False,
 ):
     # Up to the wait only sequence metadata is read (query_start_loc, seq_lens), which no kernel
     # of the step writes: the dependent loads that place this program run while the kernel ahead
     # finishes. q and K/V come after it; KV_EARLY (with ROPE): the program's last K/V tile too, all but the
     # new key (an earlier step wrote them), which is put into that tile from registers after the wait.
+    # KV_PREFETCH (CUDA): that tile's rows only prefetched into L2 before the wait, read after it as the others are,
+    # so no tile is held in registers across the wait (KV_EARLY takes 254 registers a thread at 8 warps, the
+    # whole register file, and leaves no room on its SM for the next kernel's programs to get in early).
     if HEAVY_FIRST:
         # grid (kv heads, q blocks): the last q blocks (most keys under the causal mask) start
         # first, for every head, so the short ones fill the tail
@@ -340,6 +350,15 @@ def _paged_attention_kernel(
         k_last, v_last = _kv_tile(k_base, v_base, _tile_blocks(bt_row, last_lo, kv_hi, PAGE, BLOCK_N, BT_SCALAR, True),
                                   n_last, tl.minimum(kv_hi, ctx_len - 1), d_off, d_mask, stride_kb, stride_ko,
                                   stride_vb, stride_vo, PAGE, OFFS_32)
+    if KV_PREFETCH:  # each 128-byte line of the last tile's K and V rows (one a row for an fp8 head of 128)
+        BITS: tl.constexpr = k_cache_ptr.dtype.element_ty.primitive_bitwidth
+        pf_lo = kv_lo + (kv_hi - 1 - kv_lo) // BLOCK_N * BLOCK_N
+        lines = tl.arange(0, (D_PAD * BITS + 1023) // 1024) * (1024 // BITS)  # each line's first element
+        k_pf, v_pf = _paged_ptrs(k_base, v_base, _tile_blocks(bt_row, pf_lo, kv_hi, PAGE, BLOCK_N, BT_SCALAR, True),
+                                 pf_lo + tl.arange(0, BLOCK_N), lines, stride_kb, stride_ko, stride_vb, stride_vo, PAGE,
+                                 OFFS_32)
+        _prefetch_l2(k_pf)
+        _prefetch_l2(v_pf)
     wait_previous(PDL)
     if ROPE:
         q = _norm_rotate(q_rows, row_mask[:, None] & d_mask[None, :], d_off, partner, cos, sin, qw_ptr, eps,
@@ -662,6 +681,9 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         else:
             part_acc = part_ml = out  # unused
         heavy_first = p.get("HEAVY_FIRST", True)
+        early_tile = p.get("KV_EARLY", False) and kv_early and rope is not None
+        prefetch = (p.get("KV_PREFETCH", False) and rope is not None and not early_tile and q.is_cuda
+                    and torch.version.cuda is not None)  # (inline PTX)
         grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
         if heavy_first:
             grid = (num_kv_heads, grid[0], splits)
@@ -677,7 +699,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             OFFS_32=p.get("OFFS_32", offs_32), DENSE=p.get("DENSE", False) and dense_kv is not None,
             BT_SCALAR=p.get("BT_SCALAR", False) and p["BLOCK_N"] % page == 0,
             KV_AHEAD=p.get("KV_AHEAD", False), PIN_K=p.get("PIN_K", False), QUANT_OUT=quant is not None,
-            KV_EARLY=p.get("KV_EARLY", False) and kv_early and rope is not None,
+            KV_EARLY=early_tile, KV_PREFETCH=prefetch,
             ROPE=rope is not None, QK_NORM=rope is not None and rope.qk_norm is not None,
             ROT=rope.cos_sin_cache.shape[-1] if rope is not None else 0, FAST_CVT=fast,
             num_warps=p["num_warps"], num_stages=p["num_stages"], **launch_args(q, pdl),

@@ -740,6 +740,21 @@ def test_fp8_cache_decode_attention_compiles_for_sm90(cvt, kv_ahead, quant_out, 
         assert "LDS.U8" not in sass
 
 
+def test_fp8_cache_decode_attention_prefetch_compiles_for_sm90():
+    """Without a GPU: the Llama-3-8B batch-1 split plan (128-key tiles, 8 warps) with KV_PREFETCH in place of
+    KV_EARLY prefetches its last tile's K and V rows into L2 before the PDL wait (one 128-byte line a row: 2 x 128
+    prefetches over 256 threads) and loads no tile there, so nothing is held in registers across the wait."""
+    from tandem.kernels.triton.attention import _paged_attention_kernel
+    consts = dict(GROUP=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=128, HEAD_DIM=128, D_PAD=128, PAGE=16, NUM_SPLITS=64,
+                  HEAVY_FIRST=True, OFFS_32=True, DENSE=False, BT_SCALAR=False, ROPE=True, QK_NORM=False, ROT=128,
+                  FAST_CVT=2, PDL=True, KV_AHEAD=False, QUANT_OUT=False, PIN_K=False, KV_EARLY=False,
+                  KV_PREFETCH=True)
+    ptx = _compile_sm90(_paged_attention_kernel, DECODE_ATTENTION_PTRS, consts, 8, 2).asm["ptx"]
+    ahead, after = ptx.split("griddepcontrol.wait")
+    assert ahead.count("prefetch.global.L2") >= 2 and "prefetch.global.L2" not in after
+    assert "ld.global.v4" not in ahead and "cp.async" in after
+
+
 def _sass(cubin: bytes) -> str:
     """The SASS of a compiled kernel, from the cuobjdump that ships with Triton's NVIDIA backend."""
     import os

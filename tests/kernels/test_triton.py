@@ -150,10 +150,11 @@ def test_paged_attention_rope_fp8_cache_kv_early(heads):
     """One decode over an e4m3 cache, rope fused, each program's last tile read before the PDL wait
     (kv_early) and the new key put into it from registers: output and cache against the same launch
     reading that key back from the cache (kv_early off), and both against rotary_store_kvcache_ref then
-    paged_attention_ref; contexts whose new key ends a tile, starts one, and sits inside one."""
+    paged_attention_ref; contexts whose new key ends a tile, starts one, and sits inside one. And the launch
+    prefetching that tile into L2 instead (KV_PREFETCH) against the one without kv_early, bit for bit."""
     from tandem.kernels.attention import NewTokens
     from tandem.kernels.fp8 import fp8_dtype, has_fp8_compute
-    from tandem.kernels.triton.attention import _launch_plans, paged_attention_triton
+    from tandem.kernels.triton.attention import _launch_plans, _paged_attention, paged_attention_triton
     if not has_fp8_compute(torch.device(DEVICE)):
         pytest.skip("no fp8 on this GPU")
     hq, hk = heads
@@ -182,6 +183,14 @@ def test_paged_attention_rope_fp8_cache_kv_early(heads):
             k_caches[kv_early] = kc2.view(torch.uint8)
         assert torch.equal(k_caches[True], k_caches[False]), ctx
         assert _rel(outs[True], outs[False]) < 2e-3, ctx
+        # KV_PREFETCH (that tile's rows prefetched into L2 before the wait instead, read after it): a hint only,
+        # so the launch without kv_early bit for bit
+        plan = {key: val for key, val in _launch_plans(q, hq // hk, 1, hk, 1, 2048, kv_bytes=1)[0].items()
+                if key != "Q_RANGE"}
+        kc2, vc2 = kc.clone(), vc.clone()
+        out = _paged_attention(q, kc2, vc2, bt, seq_lens, qsl, 0.08, 1, 2048, plan=dict(plan, KV_PREFETCH=True),
+                               rope=NewTokens(positions, k, v, cache, slots, norm), kv_early=False)
+        assert torch.equal(out, outs[False]) and torch.equal(kc2.view(torch.uint8), k_caches[False]), ctx
 
 
 def test_paged_attention_graph_capture():
