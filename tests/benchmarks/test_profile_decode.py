@@ -68,7 +68,8 @@ def test_a_plans_file_is_installed_while_profiling_and_removed_after(tmp_path, m
     args = (q, 4, 1, 8, 1, 8192, False, 1)  # (GQA group 4, 8 KV heads, graphs' 8192-key bound, fp8 cache)
     rule = attention._launch_plans
     seen = []
-    monkeypatch.setattr(profile_decode, "profile", lambda a: seen.append(attention._launch_plans(*args)[0]["num_stages"]))
+    monkeypatch.setattr(profile_decode, "profile",
+                        lambda a: seen.append(attention._launch_plans(*args)[0]["num_stages"]))
     monkeypatch.setattr(sys, "argv", ["profile_decode", "--plans", str(f)])
     profile_decode.main()
     assert seen == [1] and rule(*args)[0]["num_stages"] != 1
