@@ -344,19 +344,18 @@ def _paged_attention_kernel(
     else:
         k_base = k_cache_ptr + kv_head * stride_kh
         v_base = v_cache_ptr + kv_head * stride_vh
+    last_lo = kv_lo + (kv_hi - 1 - kv_lo) // BLOCK_N * BLOCK_N  # the program's last tile (KV_EARLY, KV_PREFETCH)
     if KV_EARLY:  # keys [last_lo, kv_hi), the new one (at ctx_len - 1) read as 0 and put in below
-        last_lo = kv_lo + (kv_hi - 1 - kv_lo) // BLOCK_N * BLOCK_N
         n_last = last_lo + tl.arange(0, BLOCK_N)
         k_last, v_last = _kv_tile(k_base, v_base, _tile_blocks(bt_row, last_lo, kv_hi, PAGE, BLOCK_N, BT_SCALAR, True),
                                   n_last, tl.minimum(kv_hi, ctx_len - 1), d_off, d_mask, stride_kb, stride_ko,
                                   stride_vb, stride_vo, PAGE, OFFS_32)
     if KV_PREFETCH:  # each 128-byte line of the last tile's K and V rows (one a row for an fp8 head of 128)
         BITS: tl.constexpr = k_cache_ptr.dtype.element_ty.primitive_bitwidth
-        pf_lo = kv_lo + (kv_hi - 1 - kv_lo) // BLOCK_N * BLOCK_N
         lines = tl.arange(0, (D_PAD * BITS + 1023) // 1024) * (1024 // BITS)  # each line's first element
-        k_pf, v_pf = _paged_ptrs(k_base, v_base, _tile_blocks(bt_row, pf_lo, kv_hi, PAGE, BLOCK_N, BT_SCALAR, True),
-                                 pf_lo + tl.arange(0, BLOCK_N), lines, stride_kb, stride_ko, stride_vb, stride_vo, PAGE,
-                                 OFFS_32)
+        k_pf, v_pf = _paged_ptrs(k_base, v_base, _tile_blocks(bt_row, last_lo, kv_hi, PAGE, BLOCK_N, BT_SCALAR, True),
+                                 last_lo + tl.arange(0, BLOCK_N), lines, stride_kb, stride_ko, stride_vb, stride_vo,
+                                 PAGE, OFFS_32)
         _prefetch_l2(k_pf)
         _prefetch_l2(v_pf)
     wait_previous(PDL)

@@ -705,6 +705,14 @@ DECODE_ATTENTION_PTRS = dict(
     kw_ptr="*bf16", eps="fp32", q8_ptr="*fp8e4nv", q8s_ptr="*fp32", fp8_max="fp32")
 
 
+def _decode_attention_consts(**changes) -> dict:
+    """_paged_attention_kernel's constexprs for one Llama-3-8B decode over an e4m3 cache (rope fused, 64-key tiles,
+    no split, f16 dots), with changes."""
+    return dict(dict(GROUP=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128, D_PAD=128, PAGE=16, NUM_SPLITS=1,
+                     HEAVY_FIRST=True, OFFS_32=True, DENSE=False, BT_SCALAR=False, ROPE=True, QK_NORM=False, ROT=128,
+                     FAST_CVT=2, PDL=True, KV_AHEAD=False, QUANT_OUT=False, PIN_K=False, KV_EARLY=False), **changes)
+
+
 @pytest.mark.parametrize("cvt,kv_ahead,quant_out,splits,pin_k,kv_early", [
     (1, False, False, 1, False, False), (1, True, False, 1, False, False), (1, False, True, 1, False, False),
     (2, False, False, 1, False, False), (2, False, False, 1, True, False), (2, False, True, 1, False, False),
@@ -718,9 +726,8 @@ def test_fp8_cache_decode_attention_compiles_for_sm90(cvt, kv_ahead, quant_out, 
     output written as the o projection's fp8 input) changes only the epilogue. KV_EARLY: the last
     tile's loads come before the PDL wait."""
     from tandem.kernels.triton.attention import _paged_attention_kernel
-    consts = dict(GROUP=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128, D_PAD=128, PAGE=16, NUM_SPLITS=splits,
-                  HEAVY_FIRST=True, OFFS_32=True, DENSE=False, BT_SCALAR=False, ROPE=True, QK_NORM=False, ROT=128,
-                  FAST_CVT=cvt, PDL=True, KV_AHEAD=kv_ahead, QUANT_OUT=quant_out, PIN_K=pin_k, KV_EARLY=kv_early)
+    consts = _decode_attention_consts(NUM_SPLITS=splits, FAST_CVT=cvt, KV_AHEAD=kv_ahead, QUANT_OUT=quant_out,
+                                      PIN_K=pin_k, KV_EARLY=kv_early)
     compiled = _compile_sm90(_paged_attention_kernel, DECODE_ATTENTION_PTRS, consts, 8 if splits > 1 else 4,
                              1 if kv_ahead else 2)
     ptx = compiled.asm["ptx"]
@@ -745,10 +752,7 @@ def test_fp8_cache_decode_attention_prefetch_compiles_for_sm90():
     KV_EARLY prefetches its last tile's K and V rows into L2 before the PDL wait (one 128-byte line a row: 2 x 128
     prefetches over 256 threads) and loads no tile there, so nothing is held in registers across the wait."""
     from tandem.kernels.triton.attention import _paged_attention_kernel
-    consts = dict(GROUP=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=128, HEAD_DIM=128, D_PAD=128, PAGE=16, NUM_SPLITS=64,
-                  HEAVY_FIRST=True, OFFS_32=True, DENSE=False, BT_SCALAR=False, ROPE=True, QK_NORM=False, ROT=128,
-                  FAST_CVT=2, PDL=True, KV_AHEAD=False, QUANT_OUT=False, PIN_K=False, KV_EARLY=False,
-                  KV_PREFETCH=True)
+    consts = _decode_attention_consts(BLOCK_N=128, NUM_SPLITS=64, KV_PREFETCH=True)
     ptx = _compile_sm90(_paged_attention_kernel, DECODE_ATTENTION_PTRS, consts, 8, 2).asm["ptx"]
     ahead, after = ptx.split("griddepcontrol.wait")
     assert ahead.count("prefetch.global.L2") >= 2 and "prefetch.global.L2" not in after
