@@ -240,13 +240,14 @@ ATTENTION_KNOBS = {"BLOCK_N": (32, 64, 128), "num_warps": (2, 4, 8), "num_stages
                    "maxnreg": (0, 96, 128, 168, 232), "KV_AHEAD": (False, True),  # maxnreg 0: no register cap
                    "NUM_SPLITS": (1, 2, 4, 8, 16, 32, 64),  # the rule's split-K count, a power of 2 (the merge)
                    "PIN_K": (False, True),  # K's e4m3 conversion in the load's layout (kernels/triton/attention.py)
-                   "KV_PREFETCH": (False, True)}  # the last tile into L2 ahead of the wait (--no-attention-kv-early)
+                   "KV_PREFETCH": (False, True),  # the last tile into L2 ahead of the wait (--no-attention-kv-early)
+                   "KV_READBACK": (False, True)}  # with KV_EARLY: the new key read back into that tile from the cache
 
 
 def attention_neighbours(p: dict) -> list[dict]:
     """Decode attention plans one knob away from p (kernels/triton/attention.py _launch_plans' launch
     for decode batches, split or not): key tile, warps, register cap, KV_AHEAD, split count next to the
-    current value, PIN_K and KV_PREFETCH flipped; every other stage count, because stages do not act in
+    current value, PIN_K, KV_PREFETCH and KV_READBACK flipped; every other stage count, because stages do not act in
     order on a paged loop: Triton (3.6 and 3.9, sm_90 TTGIR) gives the block-table load the first stage
     from 3 stages on, and K/V get a second buffer only at 5 (2: one buffer, the table read in the loop; 3
     and 4: one buffer).
@@ -275,7 +276,7 @@ class DecodeAttentionPlan:
                 p = out[0]
                 self.seen = {k: p.get(k, 0) for k in ATTENTION_KNOBS}
                 p.update(self.override or {})
-                for off in ("maxnreg", "KV_AHEAD", "PIN_K", "KV_PREFETCH"):  # 0 / False: the key's absence
+                for off in ("maxnreg", "KV_AHEAD", "PIN_K", "KV_PREFETCH", "KV_READBACK"):  # 0 / False: absent
                     if not p.get(off):
                         p.pop(off, None)
             return out

@@ -265,7 +265,7 @@ def _paged_attention_kernel(
     HEAVY_FIRST: tl.constexpr, OFFS_32: tl.constexpr, DENSE: tl.constexpr, BT_SCALAR: tl.constexpr,
     ROPE: tl.constexpr, QK_NORM: tl.constexpr, ROT: tl.constexpr, FAST_CVT: tl.constexpr, PDL: tl.constexpr,
     KV_AHEAD: tl.constexpr = False, QUANT_OUT: tl.constexpr = False, PIN_K: tl.constexpr = False,
-    KV_EARLY: tl.constexpr = False, KV_PREFETCH: tl.constexpr = False,
+    KV_EARLY: tl.constexpr = False, KV_PREFETCH: tl.constexpr = False, KV_READBACK: tl.constexpr = False,
 ):
     # Up to the wait only sequence metadata is read (query_start_loc, seq_lens), which no kernel
     # of the step writes: the dependent loads that place this program run while the kernel ahead
@@ -274,6 +274,10 @@ def _paged_attention_kernel(
     # KV_PREFETCH (CUDA): that tile's rows only prefetched into L2 before the wait, read after it as the others are,
     # so no tile is held in registers across the wait (KV_EARLY takes 254 registers a thread at 8 warps, the
     # whole register file, and leaves no room on its SM for the next kernel's programs to get in early).
+    # KV_READBACK (with KV_EARLY): the new key's row read back into the early tile from the cache after this
+    # program stores it, and that tile taken first. Put in from registers, the new key and value take the tile's
+    # layout, which is where the 254 registers come from; read back, the 8B plan takes 128 (Triton 3.6 / ptxas
+    # 12.8; 114 without KV_EARLY), so two o programs fit beside it.
     if HEAVY_FIRST:
         # grid (kv heads, q blocks): the last q blocks (most keys under the causal mask) start
         # first, for every head, so the short ones fill the tail
@@ -367,7 +371,7 @@ def _paged_attention_kernel(
         v_row = v_new_ptr + q_start.to(tl.int64) * stride_vnt + kv_head * stride_vnh + tl.zeros([1, 1], tl.int64)
         k_slot = k_cache_ptr + (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ko + kv_head * stride_kh
         v_slot = v_cache_ptr + (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vo + kv_head * stride_vh
-        if KV_EARLY:
+        if KV_EARLY and not KV_READBACK:
             k, v = _new_key_value(k_row, v_row, d_off, d_mask, partner, cos, sin, kw_ptr, eps, k_cache_ptr,
                                   v_cache_ptr, QK_NORM, HEAD_DIM)
             new_row = (n_last == ctx_len - 1)[:, None] & holds_new
@@ -383,6 +387,12 @@ def _paged_attention_kernel(
                 tl.store(k_slot + d_off[None, :], k, mask=d_mask[None, :])
                 tl.store(v_slot + d_off[None, :], v, mask=d_mask[None, :])
             tl.debug_barrier()  # the key and value stored above are read back with the tiles below
+            if KV_EARLY:  # (KV_READBACK) the early tile's row for the new key, as the store above left it
+                new_row = (n_last == tl.where(holds_new & (slot >= 0), ctx_len - 1, -1))[:, None] & d_mask[None, :]
+                k_last = tl.load(k_slot + d_off[None, :] + tl.zeros([BLOCK_N, 1], tl.int32), mask=new_row,
+                                 other=k_last)
+                v_last = tl.load(v_slot + d_off[None, :] + tl.zeros([BLOCK_N, 1], tl.int32), mask=new_row,
+                                 other=v_last)
     else:
         q = tl.load(q_rows + d_off[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     if FAST_CVT == 2:
@@ -397,6 +407,9 @@ def _paged_attention_kernel(
         unmasked_hi = last_lo
     else:
         unmasked_hi = full_hi
+    if KV_EARLY and KV_READBACK:  # first: its registers are free before the loop's tiles come in
+        acc, l_i, m_i = _tile_update(acc, l_i, m_i, q, k_last, v_last, n_last, n_last < kv_hi, q_pos, qk_scale,
+                                     True, FAST_CVT, PIN_K, PIN_V)
     if KV_AHEAD and not DENSE:
         acc, l_i, m_i = _attend_tiles_ahead(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
                                             kv_lo, unmasked_hi, stride_kb, stride_ko, stride_vb, stride_vo,
@@ -406,10 +419,10 @@ def _paged_attention_kernel(
                                       kv_lo, unmasked_hi, stride_kb, stride_ko, stride_vb, stride_vo,
                                       qk_scale, False, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE, BT_SCALAR,
                                       FAST_CVT, PIN_K, PIN_V)
-    if KV_EARLY:
+    if KV_EARLY and not KV_READBACK:
         acc, l_i, m_i = _tile_update(acc, l_i, m_i, q, k_last, v_last, n_last, n_last < kv_hi, q_pos, qk_scale,
                                      True, FAST_CVT, PIN_K, PIN_V)
-    else:
+    elif not KV_EARLY:
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, d_off, d_mask, q_pos,
                                       full_hi, kv_hi, stride_kb, stride_ko, stride_vb, stride_vo,
                                       qk_scale, True, PAGE, BLOCK_N, HEAD_DIM == D_PAD, OFFS_32, DENSE, BT_SCALAR,
@@ -698,7 +711,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             OFFS_32=p.get("OFFS_32", offs_32), DENSE=p.get("DENSE", False) and dense_kv is not None,
             BT_SCALAR=p.get("BT_SCALAR", False) and p["BLOCK_N"] % page == 0,
             KV_AHEAD=p.get("KV_AHEAD", False), PIN_K=p.get("PIN_K", False), QUANT_OUT=quant is not None,
-            KV_EARLY=early_tile, KV_PREFETCH=prefetch,
+            KV_EARLY=early_tile, KV_PREFETCH=prefetch, KV_READBACK=early_tile and p.get("KV_READBACK", False),
             ROPE=rope is not None, QK_NORM=rope is not None and rope.qk_norm is not None,
             ROT=rope.cos_sin_cache.shape[-1] if rope is not None else 0, FAST_CVT=fast,
             num_warps=p["num_warps"], num_stages=p["num_stages"], **launch_args(q, pdl),

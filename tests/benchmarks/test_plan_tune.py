@@ -78,15 +78,17 @@ def test_moe_neighbours_move_one_knob_each():
 
 def test_attention_neighbours_move_one_knob_each():
     start = dict(BLOCK_N=128, num_warps=4, num_stages=3, maxnreg=0, KV_AHEAD=False, NUM_SPLITS=16, PIN_K=False,
-                 KV_PREFETCH=False)
+                 KV_PREFETCH=False, KV_READBACK=False)
     near = attention_neighbours(start)
     assert dict(start, BLOCK_N=64) in near and dict(start, num_warps=8) in near and dict(start, num_stages=4) in near
     assert dict(start, PIN_K=True) in near and dict(start, KV_PREFETCH=True) in near
+    assert dict(start, KV_READBACK=True) in near
     assert dict(start, maxnreg=96) in near and dict(start, KV_AHEAD=True) in near
     assert dict(start, NUM_SPLITS=8) in near and dict(start, NUM_SPLITS=32) in near
     ahead = dict(start, KV_AHEAD=True, num_stages=1)  # the one plan that moves two knobs: KV_AHEAD as it runs
     assert all(dict(start, num_stages=n) in near for n in (1, 2, 4, 5))  # every other stage count
-    assert ahead in near and len(near) == 14  # (128 keys, no cap, KV_AHEAD, PIN_K, KV_PREFETCH: one side each)
+    assert ahead in near and len(near) == 15  # (128 keys, no cap, KV_AHEAD, PIN_K, KV_PREFETCH, KV_READBACK: one
+    # side each)
     assert all(sum(p[k] != start[k] for k in start) == 1 for p in near if p != ahead) and start not in near
     capped = attention_neighbours(dict(start, maxnreg=128, num_stages=2))
     assert dict(start, KV_AHEAD=True, num_stages=1, maxnreg=168) in capped
@@ -153,7 +155,7 @@ def test_attention_hook_overrides_decode_launches_only_while_installed():
         assert attention._launch_plans(q, 4, 1, 8, 1, 8192, False, 1)[0] == rule  # nothing set yet
         assert hook.seen == dict(BLOCK_N=rule["BLOCK_N"], num_warps=rule["num_warps"],
                                  num_stages=rule["num_stages"], maxnreg=0, KV_AHEAD=False,
-                                 NUM_SPLITS=rule["NUM_SPLITS"], PIN_K=False, KV_PREFETCH=False)
+                                 NUM_SPLITS=rule["NUM_SPLITS"], PIN_K=False, KV_PREFETCH=False, KV_READBACK=False)
         hook.override = dict(hook.seen, BLOCK_N=64, maxnreg=0)
         p = attention._launch_plans(q, 4, 1, 8, 1, 8192, False, 1)[0]
         assert p == dict(rule, BLOCK_N=64)  # (maxnreg 0: no cap, no key; KV_AHEAD False: no key)
@@ -165,6 +167,8 @@ def test_attention_hook_overrides_decode_launches_only_while_installed():
         assert attention._launch_plans(q, 4, 1, 8, 1, 8192, False, 1)[0] == dict(rule, PIN_K=True)
         hook.override = dict(hook.seen, KV_PREFETCH=True)
         assert attention._launch_plans(q, 4, 1, 8, 1, 8192, False, 1)[0] == dict(rule, KV_PREFETCH=True)
+        hook.override = dict(hook.seen, KV_READBACK=True)
+        assert attention._launch_plans(q, 4, 1, 8, 1, 8192, False, 1)[0] == dict(rule, KV_READBACK=True)
         mixed = attention._launch_plans(q, 4, 2, 8, 37, 8192, False, 1)  # a batch with a prefill: left alone
         hook.override = None
         assert mixed == attention._launch_plans(q, 4, 2, 8, 37, 8192, False, 1)

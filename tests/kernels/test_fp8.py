@@ -759,6 +759,38 @@ def test_fp8_cache_decode_attention_prefetch_compiles_for_sm90():
     assert "ld.global.v4" not in ahead and "cp.async" in after
 
 
+def test_fp8_cache_decode_attention_readback_compiles_for_sm90():
+    """Without a GPU: the Llama-3-8B batch-1 split plan (128-key tiles, 8 warps, 2 stages, KV_EARLY) with KV_READBACK
+    (the new key's row read back into the early tile from the cache, that tile taken first) still loads its last
+    tile before the PDL wait, and takes at most 128 registers a thread, half an SM's register file at 8 warps; with
+    the new key put in from registers it takes near all of it (the key takes the tile's layout)."""
+    from tandem.kernels.triton.attention import _paged_attention_kernel
+    registers = {}
+    for readback in (True, False):
+        consts = _decode_attention_consts(BLOCK_N=128, NUM_SPLITS=64, KV_EARLY=True, KV_READBACK=readback)
+        compiled = _compile_sm90(_paged_attention_kernel, DECODE_ATTENTION_PTRS, consts, 8, 2)
+        # 2 x 128 rows of 128 bytes over 256 threads: 8 16-byte loads a thread ahead of the wait
+        assert compiled.asm["ptx"].split("griddepcontrol.wait")[0].count("ld.global.v4") == 8, readback
+        registers[readback] = _registers(compiled)
+    assert registers[True] <= 128 < 192 < registers[False], registers
+
+
+def _registers(compiled) -> int:
+    """Registers a thread of a kernel compiled for sm_90, as `ptxas -v` (the ptxas Triton compiles it with) reports
+    them, rounded up to the 8 a thread that an SM allocates them in."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(compiled.asm["ptx"])
+        f.flush()
+        info = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], check=True,
+                              capture_output=True, text=True).stderr
+    return -(-int(re.search(r"Used (\d+) registers", info).group(1)) // 8) * 8
+
+
 def _sass(cubin: bytes) -> str:
     """The SASS of a compiled kernel, from the cuobjdump that ships with Triton's NVIDIA backend."""
     import os

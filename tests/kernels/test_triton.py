@@ -150,8 +150,9 @@ def test_paged_attention_rope_fp8_cache_kv_early(heads):
     """One decode over an e4m3 cache, rope fused, each program's last tile read before the PDL wait
     (kv_early) and the new key put into it from registers: output and cache against the same launch
     reading that key back from the cache (kv_early off), and both against rotary_store_kvcache_ref then
-    paged_attention_ref; contexts whose new key ends a tile, starts one, and sits inside one. And the launch
-    prefetching that tile into L2 instead (KV_PREFETCH) against the one without kv_early, bit for bit."""
+    paged_attention_ref; contexts whose new key ends a tile, starts one, and sits inside one. The same with that key
+    read back into the tile from the cache and the tile taken first (KV_READBACK). And the launch prefetching that
+    tile into L2 instead (KV_PREFETCH) against the one without kv_early, bit for bit."""
     from tandem.kernels.attention import NewTokens
     from tandem.kernels.fp8 import fp8_dtype, has_fp8_compute
     from tandem.kernels.triton.attention import _launch_plans, _paged_attention, paged_attention_triton
@@ -191,6 +192,12 @@ def test_paged_attention_rope_fp8_cache_kv_early(heads):
         out = _paged_attention(q, kc2, vc2, bt, seq_lens, qsl, 0.08, 1, 2048, plan=dict(plan, KV_PREFETCH=True),
                                rope=NewTokens(positions, k, v, cache, slots, norm), kv_early=False)
         assert torch.equal(out, outs[False]) and torch.equal(kc2.view(torch.uint8), k_caches[False]), ctx
+        kc2, vc2 = kc.clone(), vc.clone()
+        out = _paged_attention(q, kc2, vc2, bt, seq_lens, qsl, 0.08, 1, 2048, plan=dict(plan, KV_READBACK=True),
+                               rope=NewTokens(positions, k, v, cache, slots, norm))
+        assert _rel(out, ref) < TOL[torch.bfloat16] and _rel(out, outs[False]) < 2e-3, ctx
+        assert torch.equal(kc2.view(torch.uint8), k_caches[False]), ctx
+        assert torch.equal(vc2.view(torch.uint8), vc_ref.view(torch.uint8)), ctx
 
 
 def test_paged_attention_graph_capture():

@@ -214,15 +214,17 @@ def run_case(name: str) -> None:
             assert _rel(out, ref) < 5e-3 and _rel(kc2, kc_ref) < 2e-3 and torch.equal(vc2, vc_ref), bound
         # KV_EARLY (each program's last tile read before the wait, the new key and value put in from registers),
         # 16-key tiles: programs of many tiles, the new keys at 299 (inside a ragged last tile) and 16 (a tile's
-        # first key), with and without the hand-pipelined loop
+        # first key), with and without the hand-pipelined loop; KV_READBACK: that key read back from the cache
+        # into the early tile, which goes into the softmax first
         from tandem.kernels.triton.attention import _paged_attention
-        for splits, ahead in ((1, False), (2, False), (2, True)):
+        for splits, ahead, readback in ((1, False, False), (2, False, False), (2, True, False), (1, False, True),
+                                        (2, False, True), (2, True, True)):
             plan = dict(BLOCK_M=16, BLOCK_N=16, NUM_SPLITS=splits, num_warps=4, num_stages=1, KV_AHEAD=ahead,
-                        KV_EARLY=True)
+                        KV_EARLY=True, KV_READBACK=readback)
             kc2, vc2 = kc.clone(), vc.clone()
             out = _paged_attention(q, kc2, vc2, bt, seq_lens, qsl, 0.2, 1, 320, plan=plan,
                                    rope=NewTokens(positions, k, v, cache, slots, norm))
-            assert _rel(out, ref) < 5e-3 and _rel(kc2, kc_ref) < 2e-3 and torch.equal(vc2, vc_ref), (splits, ahead)
+            assert _rel(out, ref) < 5e-3 and _rel(kc2, kc_ref) < 2e-3 and torch.equal(vc2, vc_ref), plan
     elif name == "paged_attention_prefill_scalar_table":
         # a chunk behind context and a fresh prompt, 16-key tiles over 4-key pages: the tile's
         # block-table entries read as 4 scalars (BT_SCALAR), a ragged last tile, a shuffled table
