@@ -276,7 +276,7 @@ class DecodeAttentionPlan:
                 p = out[0]
                 self.seen = {k: p.get(k, 0) for k in ATTENTION_KNOBS}
                 p.update(self.override or {})
-                for off in ("maxnreg", "KV_AHEAD", "PIN_K", "KV_PREFETCH", "KV_READBACK"):  # 0 / False: absent
+                for off in (k for k, values in ATTENTION_KNOBS.items() if not values[0]):  # 0 / False: absent
                     if not p.get(off):
                         p.pop(off, None)
             return out

@@ -381,14 +381,15 @@ def _paged_attention_kernel(
                 tl.store(k_slot + d_off[None, :], k, mask=d_mask[None, :])
                 tl.store(v_slot + d_off[None, :], v, mask=d_mask[None, :])
         else:
-            if holds_new & (slot >= 0):
+            stores_new = holds_new & (slot >= 0)  # this program writes the new key and value into the cache
+            if stores_new:
                 k, v = _new_key_value(k_row, v_row, d_off, d_mask, partner, cos, sin, kw_ptr, eps, k_cache_ptr,
                                       v_cache_ptr, QK_NORM, HEAD_DIM)
                 tl.store(k_slot + d_off[None, :], k, mask=d_mask[None, :])
                 tl.store(v_slot + d_off[None, :], v, mask=d_mask[None, :])
             tl.debug_barrier()  # the key and value stored above are read back with the tiles below
             if KV_EARLY:  # (KV_READBACK) the early tile's row for the new key, as the store above left it
-                new_row = (n_last == tl.where(holds_new & (slot >= 0), ctx_len - 1, -1))[:, None] & d_mask[None, :]
+                new_row = (n_last == tl.where(stores_new, ctx_len - 1, -1))[:, None] & d_mask[None, :]
                 k_last = tl.load(k_slot + d_off[None, :] + tl.zeros([BLOCK_N, 1], tl.int32), mask=new_row,
                                  other=k_last)
                 v_last = tl.load(v_slot + d_off[None, :] + tl.zeros([BLOCK_N, 1], tl.int32), mask=new_row,
