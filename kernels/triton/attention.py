@@ -569,7 +569,11 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
         # with rope (a decode batch) each program's last tile before its PDL wait (KV_EARLY; a tile or two a
         # program): H200 b=1 (2026-12-03) Qwen3-30B-A3B 2.076 -> 2.040 ms, Llama-3-8B 2.581 -> 2.557. (On the 8B's
         # b=64 full grid, whose programs are capped at 128 registers, it took the step from 5.094 to 6.039.)
-        narrow.update(KV_EARLY=True)
+        # KV_READBACK: the new key's row read back into that tile from the cache after its store, not put in
+        # from registers (254 -> 128 registers a thread for the 8B, 214 -> 159 for the 30B, sm_90 ptxas 12.8).
+        # H100 b=1, rounds interleaved (2026-12-07): Llama-3-8B 3.281 -> 3.258 ms; Qwen3-30B-A3B, two
+        # one-variant processes each, 2.142 / 2.133 -> 2.101 / 2.102
+        narrow.update(KV_EARLY=True, KV_READBACK=True)
         if num_kv_heads <= 4:
             # few KV heads: with 128-key tiles only heads x (context / 128) programs have keys (32 of
             # Qwen3-30B-A3B's at 1k); 64-key tiles double them, and KV_AHEAD issues each tile's loads

@@ -155,7 +155,7 @@ def test_attention_hook_overrides_decode_launches_only_while_installed():
         assert attention._launch_plans(q, 4, 1, 8, 1, 8192, False, 1)[0] == rule  # nothing set yet
         assert hook.seen == dict(BLOCK_N=rule["BLOCK_N"], num_warps=rule["num_warps"],
                                  num_stages=rule["num_stages"], maxnreg=0, KV_AHEAD=False,
-                                 NUM_SPLITS=rule["NUM_SPLITS"], PIN_K=False, KV_PREFETCH=False, KV_READBACK=False)
+                                 NUM_SPLITS=rule["NUM_SPLITS"], PIN_K=False, KV_PREFETCH=False, KV_READBACK=True)
         hook.override = dict(hook.seen, BLOCK_N=64, maxnreg=0)
         p = attention._launch_plans(q, 4, 1, 8, 1, 8192, False, 1)[0]
         assert p == dict(rule, BLOCK_N=64)  # (maxnreg 0: no cap, no key; KV_AHEAD False: no key)
@@ -167,8 +167,9 @@ def test_attention_hook_overrides_decode_launches_only_while_installed():
         assert attention._launch_plans(q, 4, 1, 8, 1, 8192, False, 1)[0] == dict(rule, PIN_K=True)
         hook.override = dict(hook.seen, KV_PREFETCH=True)
         assert attention._launch_plans(q, 4, 1, 8, 1, 8192, False, 1)[0] == dict(rule, KV_PREFETCH=True)
-        hook.override = dict(hook.seen, KV_READBACK=True)
-        assert attention._launch_plans(q, 4, 1, 8, 1, 8192, False, 1)[0] == dict(rule, KV_READBACK=True)
+        hook.override = dict(hook.seen, KV_READBACK=False)  # (False: the key left out, the rule's True undone)
+        assert attention._launch_plans(q, 4, 1, 8, 1, 8192, False, 1)[0] == {
+            k: v for k, v in rule.items() if k != "KV_READBACK"}
         mixed = attention._launch_plans(q, 4, 2, 8, 37, 8192, False, 1)  # a batch with a prefill: left alone
         hook.override = None
         assert mixed == attention._launch_plans(q, 4, 2, 8, 37, 8192, False, 1)

@@ -598,9 +598,10 @@ def test_fp8_cache_decode_plans_by_grid(monkeypatch):
         (p,) = attention._launch_plans(q, 32 // hk, seqs, hk, 1, 8192, kv_bytes=kv_bytes)
         return {k: v for k, v in p.items() if k not in ("Q_RANGE", "BLOCK_M")}
 
-    assert plan(1, 8) == dict(BLOCK_N=128, NUM_SPLITS=64, num_warps=8, num_stages=2, KV_EARLY=True)
-    assert plan(2, 8) == dict(BLOCK_N=128, NUM_SPLITS=32, num_warps=8, num_stages=2, KV_EARLY=True)
-    assert plan(4, 4) == dict(BLOCK_N=64, NUM_SPLITS=32, num_warps=8, num_stages=2, KV_AHEAD=True, KV_EARLY=True)
+    early = dict(KV_EARLY=True, KV_READBACK=True)
+    assert plan(1, 8) == dict(BLOCK_N=128, NUM_SPLITS=64, num_warps=8, num_stages=2, **early)
+    assert plan(2, 8) == dict(BLOCK_N=128, NUM_SPLITS=32, num_warps=8, num_stages=2, **early)
+    assert plan(4, 4) == dict(BLOCK_N=64, NUM_SPLITS=32, num_warps=8, num_stages=2, KV_AHEAD=True, **early)
     assert "KV_EARLY" not in plan(64, 8)  # (the full grid: the b=64 step lost 19% with it)
     mid = dict(BLOCK_N=128, num_warps=4, num_stages=2)
     assert [plan(s, hk) for s, hk in ((8, 4), (32, 4), (64, 4), (16, 8), (32, 8))] == [
