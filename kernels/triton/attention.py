@@ -581,6 +581,12 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
             # 30B-A3B b=1 2.583 / 2.587 -> 2.516 / 2.521 ms; Llama-3-8B (8 KV heads) 2.808 / 2.812 ->
             # 2.922 / 2.923 with the same plan, so it keeps 128-key tiles.
             narrow.update(BLOCK_N=64, KV_AHEAD=True)
+        else:
+            # one stage: at 1k context each live program holds one 128-key tile, so a second stage pipelines
+            # nothing and takes 68 KB of shared memory against 36 (two o programs of 78 KB fit beside it either
+            # way, barely at 2). H100 b=1, Llama-3-8B, two calls, rounds interleaved (2026-12-07): 3.258 -> 3.253,
+            # 3.263 -> 3.256 ms, lower in each of the six rounds
+            narrow.update(num_stages=1)
     if kv_bytes == 1 and splits == 1 and not mid and q.is_cuda and torch.version.cuda is not None:
         # a full grid over an fp8 cache: the 128-key tiles take 254 registers a thread (2 programs an
         # SM); 64-key tiles capped at 128 registers run 4, and 4 programs' loads in flight beat 2
