@@ -430,8 +430,8 @@ def rows_for(m: int, n: int, k: int) -> int:
     fit an SM beside a split-K attention program (68 KB). By registers they do not: that attention program (8 warps,
     KV_EARLY's tile held across its wait) takes 248-254 registers a thread (ptxas 12.8 with Triton 3.6, and 13.4),
     all of an SM's 64K, so only the SMs without one of its 64 live programs take o's programs during the attention
-    (sm_90 compiles, thirty-eighth session; an o program: 102 registers, 4 warps). With the plan key KV_READBACK
-    (off until measured) it takes 128, and two fit by registers too."""
+    (sm_90 compiles, thirty-eighth session; an o program: 102 registers, 4 warps). With KV_READBACK (the rule's
+    since the fortieth session) it takes 128, and two fit by registers too."""
     return PLANS.get((n, k), {}).get("ROWS", 8 if m <= 8 else 16)
 
 
