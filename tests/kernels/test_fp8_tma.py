@@ -141,29 +141,36 @@ def test_merging_programs_match_the_merge_launch_gpu(ctx, hidden, kv_heads):
 
 def test_o_programs_of_8_rows_fit_two_beside_an_attention_program():
     """rows_for's reason: the Llama-3-8B o projection at 1 row (SPLIT 8, 4 tiles a program) in 8-row programs, two
-    to an SM beside a batch-1 decode attention program (its plan from _launch_plans, the last tile early), within
-    an SM's 228 KB (1 KB a program reserved); 16-row programs do not fit. By registers (64K an SM) two fit only
-    beside the attention with KV_READBACK (128 registers x 256 threads; without it, near all of the register file)."""
+    to an SM beside a batch-1 decode attention program (the rule's plan: the last tile early and read back, one
+    stage), within an SM's 228 KB of shared memory (1 KB a program reserved) and its 64K registers. 16-row programs
+    fit by shared memory beside the one-stage plan but not by registers; without KV_READBACK the attention takes
+    near all of the register file and no o program fits beside it."""
     from tandem.kernels.triton.attention import _launch_plans, _paged_attention_kernel
     from tandem.kernels.triton.fp8_tma import rows_for
     from tests.kernels.test_fp8 import DECODE_ATTENTION_PTRS, _compile_sm90, _registers
     plan, = _launch_plans(torch.empty(1, 32, 128, dtype=torch.bfloat16), 4, 1, 8, 1, 2048, kv_bytes=1)
+    assert plan["KV_EARLY"] and plan["KV_READBACK"], plan
     consts = dict(GROUP=4, BLOCK_Q=plan["BLOCK_M"] // 4, HEAD_DIM=128, D_PAD=128, PAGE=16, HEAVY_FIRST=True,
                   OFFS_32=True, DENSE=False, BT_SCALAR=False, ROPE=True, QK_NORM=False, ROT=128, FAST_CVT=2, PDL=True,
-                  QUANT_OUT=False, KV_EARLY=True,
+                  QUANT_OUT=False, KV_EARLY=True, KV_READBACK=True,
                   **{k: plan[k] for k in ("BLOCK_M", "BLOCK_N", "NUM_SPLITS")}, KV_AHEAD=plan.get("KV_AHEAD", False))
-    attention = _compile_sm90(_paged_attention_kernel, DECODE_ATTENTION_PTRS, consts, plan["num_warps"],
-                              plan["num_stages"])
-    readback = _compile_sm90(_paged_attention_kernel, DECODE_ATTENTION_PTRS, dict(consts, KV_READBACK=True),
-                             plan["num_warps"], plan["num_stages"])
-    assert readback.metadata.shared == attention.metadata.shared
-    registers = _registers(readback) * 32 * plan["num_warps"]
+
+    def attention(**kw):
+        return _compile_sm90(_paged_attention_kernel, DECODE_ATTENTION_PTRS, dict(consts, **kw), plan["num_warps"],
+                             plan["num_stages"])
+
+    rule, from_registers = attention(), attention(KV_READBACK=False)
     sm = 228 * 1024
     assert rows_for(1, 4096, 4096) == 8
-    for rows, fits in ((8, True), (16, False)):
-        o = _compile(4, 8, True, pdl=True, rows=rows)
-        assert (attention.metadata.shared + 1024 + 2 * (o.metadata.shared + 1024) <= sm) == fits, rows
-        assert (registers + 2 * _registers(o) * 128 <= 2**16) == fits, rows
+
+    def fits(a, o) -> tuple[bool, bool]:  # (by shared memory, by registers)
+        return (a.metadata.shared + 1024 + 2 * (o.metadata.shared + 1024) <= sm,
+                _registers(a) * 32 * plan["num_warps"] + 2 * _registers(o) * 128 <= 2**16)
+
+    o8, o16 = _compile(4, 8, True, pdl=True, rows=8), _compile(4, 8, True, pdl=True, rows=16)
+    assert fits(rule, o8) == (True, True)
+    assert fits(rule, o16) == (True, False)
+    assert fits(from_registers, o8)[1] is False
 
 
 @pytest.mark.parametrize("early", [False, True])
