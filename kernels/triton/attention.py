@@ -584,8 +584,8 @@ def _launch_plans(q: torch.Tensor, group: int, num_seqs: int, num_kv_heads: int,
         else:
             # one stage: at 1k context each live program holds one 128-key tile, so a second stage pipelines
             # nothing and takes 68 KB of shared memory against 36 (two o programs of 78 KB fit beside it either
-            # way, barely at 2). H100 b=1, Llama-3-8B, two calls, rounds interleaved (2026-12-07): 3.258 -> 3.253,
-            # 3.263 -> 3.256 ms, lower in each of the six rounds
+            # way, barely at 2). H100 b=1, Llama-3-8B, four calls, rounds interleaved (2026-12-07), 2 -> 1 stage:
+            # 3.258 -> 3.253, 3.263 -> 3.256, 3.255 -> 3.259, 3.263 -> 3.245 ms (a few us a step, near the spread)
             narrow.update(num_stages=1)
     if kv_bytes == 1 and splits == 1 and not mid and q.is_cuda and torch.version.cuda is not None:
         # a full grid over an fp8 cache: the 128-key tiles take 254 registers a thread (2 programs an
