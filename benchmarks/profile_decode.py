@@ -356,23 +356,28 @@ def main() -> None:
         profile(args)
 
 
-def profile(args: argparse.Namespace) -> None:
-    """The profile main() prints, of the configuration args name."""
+def decoding_engine(args: argparse.Namespace, steps: int):
+    """The synchronous engine (its host phases are what profile() times) of args' model and kernel flags, with
+    args.batch requests of args.context prompt tokens each past its first token and `steps` more to go."""
     from tandem.engine import SamplingParams
     from tandem.engine.protocol import EngineRequest
 
-    bw = copy_bandwidth()
-    # the synchronous step: its host phases are what this script times
-    llm = build(args.model, args.fp8, kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=4096, max_num_seqs=max(args.batch, 8), max_model_len=8192,
-                gpu_memory_utilization=0.9, cuda_graph_sizes=(args.batch,), async_scheduling=False,
-                **kernel_kwargs(args))
+    llm = build(args.model, args.fp8, kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=4096,
+                max_num_seqs=max(args.batch, 8), max_model_len=8192, gpu_memory_utilization=0.9,
+                cuda_graph_sizes=(args.batch,), async_scheduling=False, **kernel_kwargs(args))
     core = llm.engine
-    total_steps = 4 * (args.steps + 10)  # enough for every variant's steps
     for i in range(args.batch):
         core.add_request(EngineRequest(f"r{i}", [(i * 7 + j) % 1000 + 1 for j in range(args.context)],
-                                       SamplingParams(max_tokens=total_steps, ignore_eos=True, temperature=0)))
+                                       SamplingParams(max_tokens=steps, ignore_eos=True, temperature=0)))
     while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
         core.step()
+    return llm
+
+
+def profile(args: argparse.Namespace) -> None:
+    """The profile main() prints, of the configuration args name."""
+    bw = copy_bandwidth()
+    llm = decoding_engine(args, 4 * (args.steps + 10))  # enough for every variant's steps
     cfg = MODELS[args.model]
     moe = "moe" in cfg["model_type"]
     routed = RoutedExperts(cfg.get("num_experts", 0), cfg.get("num_experts_per_tok", 0))

@@ -50,12 +50,26 @@ def _pick(v, i: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
+def _stamp(trace_ptr, slot: gl.constexpr):
+    """TRACE: the GPU's nanosecond clock (%globaltimer) into slot `slot` of this program's row of 8 int64
+    (fp8_tma_linear's trace: [programs, 8]); slot 4 gets the SM's id (%smid) with the first stamp."""
+    row = trace_ptr + (gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)) * 8
+    if slot == 0:
+        sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.store(row + 4, sm.to(gl.int64))
+    gl.store(row + slot, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
+                                                   is_pure=False, pack=1))
+
+
+@gluon.jit
 def _fp8_tma_kernel(w_desc, x_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, res_ptr, g_ptr, sg_ptr, ss_ptr,
                     M, N, stride_xm, stride_ws, stride_om, stride_rm, stride_gm, fp8_max,
                     TILES: gl.constexpr, SPLIT: gl.constexpr, NORM_OUT: gl.constexpr, PDL: gl.constexpr,
                     num_warps: gl.constexpr, BM_: gl.constexpr = 16, pacc_ptr=None, pml_ptr=None, seq_lens_ptr=None,
                     MERGE: gl.constexpr = 0, KV_BLOCK: gl.constexpr = 0, sq_ptr=None, sqs_ptr=None,
-                    QUANT_SG: gl.constexpr = False):
+                    QUANT_SG: gl.constexpr = False, trace_ptr=None, TRACE: gl.constexpr = False):
+    # TRACE (benchmarks.program_trace): each program stamps its start, the release of its PDL wait, when it found
+    # all of its weight landed (waited for apart from the dots, after x is staged) and its end
     BN_: gl.constexpr = w_desc.block_type.shape[0]
     BK_: gl.constexpr = w_desc.block_type.shape[1]
     KP: gl.constexpr = TILES * BK_
@@ -64,6 +78,8 @@ def _fp8_tma_kernel(w_desc, x_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, res_pt
     n0 = pid_n * BN_
     kb0 = pid_k * TILES
 
+    if TRACE:
+        _stamp(trace_ptr, 0)
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [TILES, BN_, BK_], w_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [TILES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(TILES):
@@ -88,6 +104,8 @@ def _fp8_tma_kernel(w_desc, x_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, res_pt
     if PDL:  # (kernels/triton/pdl.py's wait_previous)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if TRACE:
+        _stamp(trace_ptr, 1)
 
     # after the wait, every load at once: x (all of the program's K share) and the epilogue's residual
     xl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
@@ -118,6 +136,10 @@ def _fp8_tma_kernel(w_desc, x_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, res_pt
     fence_async_shared()
     CTA_BARRIER()  # every thread's rows are in shared memory before the warpgroup reads them
 
+    if TRACE:
+        for i in gl.static_range(TILES):
+            mbarrier.wait(bars.index(i), 0)
+        _stamp(trace_ptr, 2)
     acc = gl.zeros([BN_, BM_], gl.float32, mma)
     for i in gl.static_range(TILES):
         mbarrier.wait(bars.index(i), 0)
@@ -129,6 +151,8 @@ def _fp8_tma_kernel(w_desc, x_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, res_pt
 
     _finish(acc, out_ptr, part_ptr, ticket_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, pid_k, N, stride_om,
             stride_gm, SPLIT, NORM_OUT, sq_ptr, sqs_ptr, fp8_max, QUANT_SG)
+    if TRACE:
+        _stamp(trace_ptr, 3)
 
 
 @gluon.jit
@@ -470,7 +494,7 @@ def _w_desc(w: torch.Tensor) -> TensorDescriptor:
 
 def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, residual: torch.Tensor | None = None,
                    norm_weight: torch.Tensor | None = None, pdl: bool = True, split: int | None = None,
-                   sg_quant: tuple[torch.Tensor, torch.Tensor] | None = None
+                   sg_quant: tuple[torch.Tensor, torch.Tensor] | None = None, trace: list | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """kernels.fp8.fp8_linear_ref for x [M <= 16, K] bf16/fp16, w [N, K] e4m3 with w_scale [N / 128, K / 128]
     (supports()). With residual [M, N] and norm_weight [N]: (s = x @ w.T + residual, sg = s * norm_weight,
@@ -478,7 +502,9 @@ def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, resi
     (out, out, out). split: K shares a strip (default split_for). x may be one token's decode attention output
     left as its split-K partials (kernels.linear.SplitPartials, heads of 128): each program merges its K share's
     heads itself (MERGE), so no merge launch runs between the attention and this GEMM. sg_quant (with residual;
-    sg_quant_buffers): sg also written quantized there (QUANT_SG)."""
+    sg_quant_buffers): sg also written quantized there (QUANT_SG). trace: a list this launch appends its buffer of
+    clock stamps to, int64 [N / 128 * split, 8], program (pid_n, pid_k) at row pid_n * split + pid_k (_stamp;
+    benchmarks.program_trace reads them)."""
     parts = x if isinstance(x, SplitPartials) else None
     if parts is not None:
         if parts.acc.shape[-1] != BK or parts.acc.shape[0] != 1:
@@ -497,6 +523,8 @@ def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, resi
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     res, g = (residual, norm_weight) if norm else (out, out)
     w_scale = w_scale.contiguous()
+    if trace is not None:
+        trace.append(torch.zeros(n // BN * split, 8, device=x.device, dtype=torch.int64))
     _fp8_tma_kernel[(n // BN, split)](
         _w_desc(w), out if parts is not None else x, w_scale, out, part, tickets(x.device), res, g, sg, ss, m, n,
         0 if parts is not None else x.stride(0), w_scale.stride(0),
@@ -504,7 +532,7 @@ def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, resi
         SPLIT=split, NORM_OUT=norm, num_warps=4, BM_=rows_for(m, n, k),
         **(dict(pacc_ptr=parts.acc, pml_ptr=parts.ml, seq_lens_ptr=parts.seq_lens, MERGE=parts.acc.shape[2],
                 KV_BLOCK=parts.block_n) if parts is not None else {}), **_sg_quant_args(sg_quant, norm),
-        **launch_args(out, pdl))
+        **(dict(trace_ptr=trace[-1], TRACE=True) if trace is not None else {}), **launch_args(out, pdl))
     return out, sg, ss
 
 

@@ -61,7 +61,8 @@ def test_early_only_where_the_o_weight_outlasts_the_merge(monkeypatch):
     assert layer.attn.early_out(torch.empty(1, 32, 128, dtype=torch.bfloat16))
 
 
-def _compile(tiles: int, split: int, norm: bool, pdl: bool, rows: int = 16, merge: int = 0, quant_sg: bool = False):
+def _compile(tiles: int, split: int, norm: bool, pdl: bool, rows: int = 16, merge: int = 0, quant_sg: bool = False,
+             trace: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -70,14 +71,28 @@ def _compile(tiles: int, split: int, norm: bool, pdl: bool, rows: int = 16, merg
     w = torch.empty(4096, 4096, dtype=torch.float8_e4m3fn)
     ptrs = dict(x_ptr="*bf16", ws_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32", res_ptr="*bf16",
                 g_ptr="*bf16", sg_ptr="*bf16", ss_ptr="*fp32", pacc_ptr="*fp32", pml_ptr="*fp32", seq_lens_ptr="*i32",
-                sq_ptr="*fp8e4nv", sqs_ptr="*fp32")
+                sq_ptr="*fp8e4nv", sqs_ptr="*fp32", trace_ptr="*i64")
     ints = ("M", "N", "stride_xm", "stride_ws", "stride_om", "stride_rm", "stride_gm")
     consts = dict(TILES=tiles, SPLIT=split, NORM_OUT=norm, PDL=pdl, num_warps=4, BM_=rows, MERGE=merge,
-                  KV_BLOCK=128, QUANT_SG=quant_sg)
+                  KV_BLOCK=128, QUANT_SG=quant_sg, TRACE=trace)
     sig = {"w_desc": _w_desc(w).__mangle__(), **ptrs, **{n: "i32" for n in ints}, "fp8_max": "fp32",
            **{n: "constexpr" for n in consts}}
     return triton.compile(GluonASTSource(_fp8_tma_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4))
+
+
+def test_traced_programs_stamp_the_clock_and_keep_the_weight_ahead_of_the_wait():
+    """TRACE (benchmarks.program_trace): four %globaltimer stamps a program (start, wait released, weight in, end)
+    and its SM, in that order around the wait, with every weight tile still requested before it; without TRACE
+    neither register is read."""
+    ptx = _compile(4, 8, True, pdl=True, rows=8, trace=True).asm["ptx"]
+    stamps = [i for i in range(len(ptx)) if ptx.startswith("%globaltimer", i)]
+    copies = [i for i in range(len(ptx)) if ptx.startswith("cp.async.bulk.tensor", i)]
+    wait = ptx.index("griddepcontrol.wait")
+    assert len(stamps) == 4 and "%smid" in ptx and len(copies) == 4
+    assert stamps[0] < copies[0] and copies[-1] < wait < stamps[1] < ptx.index("wgmma") and stamps[2] < stamps[3]
+    plain = _compile(4, 8, True, pdl=True, rows=8).asm["ptx"]
+    assert "%globaltimer" not in plain and "%smid" not in plain
 
 
 @pytest.mark.parametrize("tiles,split,norm,rows", [(4, 8, True, 16), (4, 8, True, 8), (2, 16, False, 16),
@@ -208,6 +223,26 @@ def test_matches_reference_gpu(m, n, k, norm):
             assert torch.allclose(ss[:m].sum(1), (sf * sf).sum(1), rtol=1e-3)
     from tandem.kernels.triton.device import tickets
     assert not tickets(x.device).any()
+
+
+@pytest.mark.gpu
+def test_traced_launch_gives_the_same_output_and_ordered_stamps_gpu():
+    """TRACE (benchmarks.program_trace) against the launch without it: the same output and pending-norm sums, bit
+    for bit; every program's row stamped in order (start <= wait released <= weight in <= end) on a real SM."""
+    g, w, ws, x = hopper_block_case(1, 4096, 4096)
+    from tandem.kernels.triton.device import num_sms
+    from tandem.kernels.triton.fp8_tma import fp8_tma_linear, split_for
+    res = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    gamma = torch.randn(4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    plain = fp8_tma_linear(x, w, ws, res, gamma)
+    trace = []
+    traced = fp8_tma_linear(x, w, ws, res, gamma, trace=trace)
+    assert all(torch.equal(a, b) for a, b in zip(plain, traced))
+    (stamps,) = trace
+    assert stamps.shape == (4096 // 128 * split_for(4096, 4096, num_sms(x.device)), 8)
+    t = stamps.cpu()
+    assert (t[:, 0] > 0).all() and (t[:, 0] <= t[:, 1]).all() and (t[:, 1] <= t[:, 2]).all()
+    assert (t[:, 2] <= t[:, 3]).all() and (t[:, 4] >= 0).all() and (t[:, 4] < num_sms(x.device)).all()
 
 
 def test_ring_plan_rule():
