@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.roofline import MODELS, build, copy_bandwidth, kernel_flags, kernel_kwargs
+from benchmarks.roofline import build, copy_bandwidth, decode_step_args, kernel_flags, kernel_kwargs
 
 # the expert plan's knobs and the values tried next to the current one
 MOE_KNOBS = {"BLOCK_N1": (16, 32, 64, 128), "BLOCK_N2": (32, 64, 128), "BLOCK_K": (32, 64, 128),
@@ -380,11 +380,7 @@ def num_sms_of(llm) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama3-8b", choices=list(MODELS))
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--fp8", choices=["none", "block", "channel"], default="block")
-    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="fp8")
+    decode_step_args(ap, fp8="block", kv_cache_dtype="fp8")
     ap.add_argument("--reps", type=int, default=10, help="replays timed per plan and round (median)")
     ap.add_argument("--rounds", type=int, default=5, help="turns over a round's plans (median of medians)")
     ap.add_argument("--only", nargs="+", choices=["gemm", "skinny", "moe", "attention"],

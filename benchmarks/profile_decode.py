@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.roofline import (MODELS, RoutedExperts, build, copy_bandwidth, kernel_flags, kernel_kwargs, kv_bytes,
-                                 param_bytes, step_times)
+from benchmarks.roofline import (MODELS, RoutedExperts, build, copy_bandwidth, decode_step_args, kernel_flags,
+                                 kernel_kwargs, kv_bytes, param_bytes, step_times)
 
 
 def recapture(runner, batch: int, with_logits: bool) -> None:
@@ -338,13 +338,8 @@ def print_variant(r: dict, floor_us: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama3-8b", choices=list(MODELS))
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--context", type=int, default=1024)
+    decode_step_args(ap)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--fp8", choices=["none", "block", "channel"], default="none",
-                    help="FP8 weights, as benchmarks.roofline --fp8 builds them")
-    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the engine's --kv-cache-dtype")
     kernel_flags(ap)
     ap.add_argument("--plans", default=None, help="a plan_tune JSON file: its plans in the tables (the decode "
                                                    "attention's through plan_tune's hook) while the engine is built "

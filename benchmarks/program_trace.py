@@ -22,7 +22,7 @@ import statistics
 
 import torch
 
-from benchmarks.roofline import MODELS, kernel_flags
+from benchmarks.roofline import decode_step_args, kernel_flags
 
 START, RELEASED, WEIGHT_IN, END, SM = range(5)  # the columns of a program's row (kernels/triton/fp8_tma.py _stamp)
 
@@ -93,11 +93,7 @@ class TracedTMAGemm:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama3-8b", choices=list(MODELS))
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--fp8", choices=["none", "block", "channel"], default="block")
-    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="fp8")
+    decode_step_args(ap, fp8="block", kv_cache_dtype="fp8")
     ap.add_argument("--replays", type=int, default=20, help="graph replays before the stamps are read (the last's)")
     ap.add_argument("--layers", type=int, default=4, help="layers printed one by one before the mean")
     kernel_flags(ap)

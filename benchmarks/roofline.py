@@ -100,6 +100,18 @@ def kernel_flags(ap: argparse.ArgumentParser) -> None:
                         help=f.metadata["help"])
 
 
+def decode_step_args(ap: argparse.ArgumentParser, fp8: str = "none", kv_cache_dtype: str = "auto") -> None:
+    """The decode step a profiling script builds: --model (MODELS), --batch, --context (prompt tokens a
+    sequence), --fp8 and --kv-cache-dtype (as the engine's)."""
+    ap.add_argument("--model", default="llama3-8b", choices=list(MODELS))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--fp8", choices=["none", "block", "channel"], default=fp8,
+                    help="FP8 weights, as benchmarks.roofline --fp8 builds them")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=kv_cache_dtype,
+                    help="the engine's --kv-cache-dtype")
+
+
 def kernel_kwargs(args: argparse.Namespace) -> dict:
     """The KernelConfig fields of parsed `kernel_flags`, as engine keyword arguments."""
     from tandem.kernels import KernelConfig
