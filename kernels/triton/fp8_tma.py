@@ -503,8 +503,8 @@ def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, resi
     left as its split-K partials (kernels.linear.SplitPartials, heads of 128): each program merges its K share's
     heads itself (MERGE), so no merge launch runs between the attention and this GEMM. sg_quant (with residual;
     sg_quant_buffers): sg also written quantized there (QUANT_SG). trace: a list this launch appends its buffer of
-    clock stamps to, int64 [N / 128 * split, 8], program (pid_n, pid_k) at row pid_n * split + pid_k (_stamp;
-    benchmarks.program_trace reads them)."""
+    clock stamps to, int64 [N / 128 * split, 8], program (pid_n, pid_k) at row pid_n * split + pid_k, columns 0-4
+    written by every launch, the rest left as allocated (_stamp; benchmarks.program_trace reads them)."""
     parts = x if isinstance(x, SplitPartials) else None
     if parts is not None:
         if parts.acc.shape[-1] != BK or parts.acc.shape[0] != 1:
@@ -523,8 +523,8 @@ def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, resi
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     res, g = (residual, norm_weight) if norm else (out, out)
     w_scale = w_scale.contiguous()
-    if trace is not None:
-        trace.append(torch.zeros(n // BN * split, 8, device=x.device, dtype=torch.int64))
+    if trace is not None:  # (empty: a fill would put a memset between this launch and the one ahead in a graph)
+        trace.append(torch.empty(n // BN * split, 8, device=x.device, dtype=torch.int64))
     _fp8_tma_kernel[(n // BN, split)](
         _w_desc(w), out if parts is not None else x, w_scale, out, part, tickets(x.device), res, g, sg, ss, m, n,
         0 if parts is not None else x.stride(0), w_scale.stride(0),
