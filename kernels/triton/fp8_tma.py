@@ -451,11 +451,11 @@ PLANS: dict[tuple[int, int], dict] = {
 def rows_for(m: int, n: int, k: int) -> int:
     """The x rows (the wgmma's N) a program of fp8_tma_linear stages for M = m: 8 where m <= 8, which leaves
     the Llama-3-8B o projection's programs (SPLIT 8) 77 KB of shared memory, not 88: by shared memory two of them
-    fit an SM beside a split-K attention program (68 KB). By registers they do not: that attention program (8 warps,
-    KV_EARLY's tile held across its wait) takes 248-254 registers a thread (ptxas 12.8 with Triton 3.6, and 13.4),
-    all of an SM's 64K, so only the SMs without one of its 64 live programs take o's programs during the attention
-    (sm_90 compiles, thirty-eighth session; an o program: 102 registers, 4 warps). With KV_READBACK (the rule's
-    since the fortieth session) it takes 128, and two fit by registers too."""
+    fit an SM beside a split-K attention program at 2 stages (68 KB; 36 KB at the rule's one, where 16-row programs
+    fit too). By registers, with KV_EARLY's tile put in from registers that attention program (8 warps) takes
+    248-254 registers a thread (ptxas 12.8 with Triton 3.6, and 13.4), all of an SM's 64K (sm_90 compiles,
+    thirty-eighth session; an o program: 102 registers, 4 warps). With KV_READBACK (the rule's since the fortieth
+    session) it takes 128: two 8-row programs fit beside it by registers too, two 16-row ones (192) do not."""
     return PLANS.get((n, k), {}).get("ROWS", 8 if m <= 8 else 16)
 
 

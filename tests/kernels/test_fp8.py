@@ -761,7 +761,8 @@ def test_fp8_cache_decode_attention_prefetch_compiles_for_sm90():
 
 
 def test_fp8_cache_decode_attention_readback_compiles_for_sm90():
-    """Without a GPU: the Llama-3-8B batch-1 split plan (128-key tiles, 8 warps, 2 stages, KV_EARLY) with KV_READBACK
+    """Without a GPU: the Llama-3-8B batch-1 split plan (128-key tiles, 8 warps, KV_EARLY), at 2 stages as before the
+    rule took one (test_fp8_tma compiles the rule's), with KV_READBACK
     (the new key's row read back into the early tile from the cache, that tile taken first) still loads its last
     tile before the PDL wait, and takes at most 128 registers a thread, half an SM's register file at 8 warps; with
     the new key put in from registers it takes near all of it (the key takes the tile's layout)."""

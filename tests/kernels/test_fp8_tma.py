@@ -162,13 +162,12 @@ def test_o_programs_of_8_rows_fit_two_beside_an_attention_program():
     near all of the register file and no o program fits beside it."""
     from tandem.kernels.triton.attention import _launch_plans, _paged_attention_kernel
     from tandem.kernels.triton.fp8_tma import rows_for
-    from tests.kernels.test_fp8 import DECODE_ATTENTION_PTRS, _compile_sm90, _registers
+    from tests.kernels.test_fp8 import DECODE_ATTENTION_PTRS, _compile_sm90, _decode_attention_consts, _registers
     plan, = _launch_plans(torch.empty(1, 32, 128, dtype=torch.bfloat16), 4, 1, 8, 1, 2048, kv_bytes=1)
     assert plan["KV_EARLY"] and plan["KV_READBACK"], plan
-    consts = dict(GROUP=4, BLOCK_Q=plan["BLOCK_M"] // 4, HEAD_DIM=128, D_PAD=128, PAGE=16, HEAVY_FIRST=True,
-                  OFFS_32=True, DENSE=False, BT_SCALAR=False, ROPE=True, QK_NORM=False, ROT=128, FAST_CVT=2, PDL=True,
-                  QUANT_OUT=False, KV_EARLY=True, KV_READBACK=True,
-                  **{k: plan[k] for k in ("BLOCK_M", "BLOCK_N", "NUM_SPLITS")}, KV_AHEAD=plan.get("KV_AHEAD", False))
+    consts = _decode_attention_consts(BLOCK_Q=plan["BLOCK_M"] // 4, KV_EARLY=True, KV_READBACK=True,
+                                      **{k: plan[k] for k in ("BLOCK_M", "BLOCK_N", "NUM_SPLITS")},
+                                      KV_AHEAD=plan.get("KV_AHEAD", False))
 
     def attention(**kw):
         return _compile_sm90(_paged_attention_kernel, DECODE_ATTENTION_PTRS, dict(consts, **kw), plan["num_warps"],
