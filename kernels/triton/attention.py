@@ -18,6 +18,7 @@ from tandem.kernels.triton.device import num_sms
 from tandem.kernels.triton.e4m3 import E4M3_BF16_UNIT, e4m3_to_bf16_scaled, e4m3_to_f16, fast_cvt
 from tandem.kernels.triton.fp8_skinny import _quant_tile
 from tandem.kernels.triton.pdl import launch_args, wait_previous
+from tandem.kernels.triton.trace import stamp, trace_args
 
 
 @triton.jit
@@ -266,6 +267,7 @@ def _paged_attention_kernel(
     ROPE: tl.constexpr, QK_NORM: tl.constexpr, ROT: tl.constexpr, FAST_CVT: tl.constexpr, PDL: tl.constexpr,
     KV_AHEAD: tl.constexpr = False, QUANT_OUT: tl.constexpr = False, PIN_K: tl.constexpr = False,
     KV_EARLY: tl.constexpr = False, KV_PREFETCH: tl.constexpr = False, KV_READBACK: tl.constexpr = False,
+    trace_ptr=None, TRACE: tl.constexpr = False,
 ):
     # Up to the wait only sequence metadata is read (query_start_loc, seq_lens), which no kernel
     # of the step writes: the dependent loads that place this program run while the kernel ahead
@@ -278,6 +280,10 @@ def _paged_attention_kernel(
     # program stores it, and that tile taken first. Put in from registers, the new key and value take the tile's
     # layout, which is where the 254 registers come from; read back, the 8B plan takes 128 (Triton 3.6 / ptxas
     # 12.8; 114 without KV_EARLY), so two o programs fit beside it.
+    # TRACE (benchmarks.program_trace): the program's start, the release of its wait and its end (kernels/triton/
+    # trace.py); a program with no keys returns after its start stamp.
+    if TRACE:
+        stamp(trace_ptr, 0)
     if HEAVY_FIRST:
         # grid (kv heads, q blocks): the last q blocks (most keys under the causal mask) start
         # first, for every head, so the short ones fill the tail
@@ -363,6 +369,8 @@ def _paged_attention_kernel(
         _prefetch_l2(k_pf)
         _prefetch_l2(v_pf)
     wait_previous(PDL)
+    if TRACE:
+        stamp(trace_ptr, 1)
     if ROPE:
         q = _norm_rotate(q_rows, row_mask[:, None] & d_mask[None, :], d_off, partner, cos, sin, qw_ptr, eps,
                          QK_NORM, HEAD_DIM).to(q_ptr.dtype.element_ty)
@@ -446,6 +454,8 @@ def _paged_attention_kernel(
         tl.store(part_acc_ptr + part[:, None] * D_PAD + d_off[None, :], acc, mask=row_mask[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_mask)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_mask)
+    if TRACE:
+        stamp(trace_ptr, 3)
 
 
 @triton.jit
@@ -463,11 +473,15 @@ def _merge_splits_kernel(
     stride_ot, stride_oh, q8_ptr, q8s_ptr, stride_q8t, stride_q8st, fp8_max,
     NUM_SPLITS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PDL: tl.constexpr, QUANT_OUT: tl.constexpr = False, EARLY: tl.constexpr = False,
+    trace_ptr=None, TRACE: tl.constexpr = False,
 ):
     """EARLY: the next launch is let in first, before this one waits (its programs then wait for this whole
-    grid, which waits for the attention: the order of effects stays the stream's)."""
+    grid, which waits for the attention: the order of effects stays the stream's). TRACE: start, wait released
+    and end stamped (kernels/triton/trace.py; benchmarks.program_trace)."""
     if EARLY and PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    if TRACE:  # (after the let-in: the next launch's programs come in no later for it)
+        stamp(trace_ptr, 0)
     t = tl.program_id(0)
     h = tl.program_id(1)
     if t >= tl.load(query_start_loc_ptr + num_seqs):  # padding token: nothing was computed
@@ -492,6 +506,8 @@ def _merge_splits_kernel(
     sp = tl.arange(0, NUM_SPLITS)
     live = sp * chunk < kv_end
     wait_previous(PDL)  # the partials come from the kernel ahead; the metadata above does not
+    if TRACE:
+        stamp(trace_ptr, 1)
     m = tl.load(part_ml_ptr + (base + sp) * 2, mask=live, other=float("-inf"))
     l = tl.load(part_ml_ptr + (base + sp) * 2 + 1, mask=live, other=0.0)
     m_max = tl.max(m, axis=0)
@@ -506,6 +522,8 @@ def _merge_splits_kernel(
                               tl.full([1], True, tl.int1), d_off < head_dim, fp8_max)
     else:
         tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d_off, out, mask=d_off < head_dim)
+    if TRACE:
+        stamp(trace_ptr, 3)
 
 
 _ALL_Q = (0, 2**31 - 1)
@@ -652,8 +670,10 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
                      max_query_len=None, max_seq_len=None, plan: dict | None = None,
                      dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None, rope=None,
                      pdl: bool = True, int_convert: bool = True, quant=None, kv_f16: bool = True,
-                     early: bool = False, kv_early: bool = True, partials: bool = False):
-    """paged_attention_triton with an optional explicit launch plan (benchmark sweeps)."""
+                     early: bool = False, kv_early: bool = True, partials: bool = False, trace: list | None = None):
+    """paged_attention_triton with an optional explicit launch plan (benchmark sweeps). trace: a list each launch
+    (the attention's, the split merge's) appends its (name, program clocks) to (kernels/triton/trace.py;
+    benchmarks.program_trace)."""
     num_tokens, num_heads, head_dim = q.shape
     if quant is not None and quant[1] != head_dim:
         raise ValueError(f"attention: a quantized output takes groups of head_dim {head_dim}, not {quant[1]}")
@@ -727,6 +747,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
             ROT=rope.cos_sin_cache.shape[-1] if rope is not None else 0, FAST_CVT=fast,
             num_warps=p["num_warps"], num_stages=p["num_stages"], **launch_args(q, pdl),
             **({"maxnreg": p["maxnreg"]} if p.get("maxnreg") else {}),
+            **trace_args(trace, "attention", grid[0] * grid[1] * grid[2], q.device),
         )
         if splits > 1:
             def merge(part_acc=part_acc, part_ml=part_ml, p=p, block_q=block_q, splits=splits, early=early):
@@ -734,7 +755,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
                     out, part_acc, part_ml, query_start_loc, seq_lens, num_seqs, p["Q_RANGE"][1], head_dim,
                     out.stride(0), out.stride(1), *quant_args, NUM_SPLITS=splits, D_PAD=d_pad, BLOCK_Q=block_q,
                     BLOCK_N=p["BLOCK_N"], QUANT_OUT=quant is not None, EARLY=early, num_warps=4,
-                    **launch_args(q, pdl))
+                    **launch_args(q, pdl), **trace_args(trace, "merge", num_tokens * num_heads, q.device))
                 return result
             if partials and num_tokens == 1 and len(plans) == 1:
                 from tandem.kernels.linear import SplitPartials

@@ -36,6 +36,7 @@ from tandem.kernels.linear import SplitPartials
 from tandem.kernels.triton.device import MAX_TICKETS, num_sms, tickets
 from tandem.kernels.triton.linear import MAX_ROWS
 from tandem.kernels.triton.pdl import launch_args
+from tandem.kernels.triton.trace import trace_args
 
 BN, BK, BM = 128, 128, MAX_ROWS
 MAX_TILES = 8  # 8 x (16 KB of weight + 6 KB of x) of shared memory a program
@@ -52,7 +53,8 @@ def _pick(v, i: gl.constexpr, layout: gl.constexpr):
 @gluon.jit
 def _stamp(trace_ptr, slot: gl.constexpr):
     """TRACE: the GPU's nanosecond clock (%globaltimer) into slot `slot` of this program's row of 8 int64
-    (fp8_tma_linear's trace: [programs, 8]); slot 4 gets the SM's id (%smid) with the first stamp."""
+    (fp8_tma_linear's trace: [programs, 8]); slot 4 gets the SM's id (%smid) with the first stamp. The Gluon twin
+    of kernels/triton/trace.py's stamp."""
     row = trace_ptr + (gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)) * 8
     if slot == 0:
         sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
@@ -502,9 +504,9 @@ def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, resi
     (out, out, out). split: K shares a strip (default split_for). x may be one token's decode attention output
     left as its split-K partials (kernels.linear.SplitPartials, heads of 128): each program merges its K share's
     heads itself (MERGE), so no merge launch runs between the attention and this GEMM. sg_quant (with residual;
-    sg_quant_buffers): sg also written quantized there (QUANT_SG). trace: a list this launch appends its buffer of
-    clock stamps to, int64 [N / 128 * split, 8], program (pid_n, pid_k) at row pid_n * split + pid_k, columns 0-4
-    written by every launch, the rest left as allocated (_stamp; benchmarks.program_trace reads them)."""
+    sg_quant_buffers): sg also written quantized there (QUANT_SG). trace: a list this launch appends ("tma_gemm", its
+    program clocks) to, int64 [N / 128 * split, 8], program (pid_n, pid_k) at row pid_n * split + pid_k, columns 0-4
+    written by every launch (kernels/triton/trace.py; _stamp; benchmarks.program_trace reads them)."""
     parts = x if isinstance(x, SplitPartials) else None
     if parts is not None:
         if parts.acc.shape[-1] != BK or parts.acc.shape[0] != 1:
@@ -523,8 +525,6 @@ def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, resi
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     res, g = (residual, norm_weight) if norm else (out, out)
     w_scale = w_scale.contiguous()
-    if trace is not None:  # (empty: a fill would put a memset between this launch and the one ahead in a graph)
-        trace.append(torch.empty(n // BN * split, 8, device=x.device, dtype=torch.int64))
     _fp8_tma_kernel[(n // BN, split)](
         _w_desc(w), out if parts is not None else x, w_scale, out, part, tickets(x.device), res, g, sg, ss, m, n,
         0 if parts is not None else x.stride(0), w_scale.stride(0),
@@ -532,7 +532,7 @@ def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, resi
         SPLIT=split, NORM_OUT=norm, num_warps=4, BM_=rows_for(m, n, k),
         **(dict(pacc_ptr=parts.acc, pml_ptr=parts.ml, seq_lens_ptr=parts.seq_lens, MERGE=parts.acc.shape[2],
                 KV_BLOCK=parts.block_n) if parts is not None else {}), **_sg_quant_args(sg_quant, norm),
-        **(dict(trace_ptr=trace[-1], TRACE=True) if trace is not None else {}), **launch_args(out, pdl))
+        **trace_args(trace, "tma_gemm", n // BN * split, x.device), **launch_args(out, pdl))
     return out, sg, ss
 
 

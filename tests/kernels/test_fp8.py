@@ -777,6 +777,37 @@ def test_fp8_cache_decode_attention_readback_compiles_for_sm90():
     assert registers[True] <= 128 < 192 < registers[False], registers
 
 
+def test_traced_decode_attention_and_merge_stamp_the_clock_around_their_waits():
+    """Without a GPU: TRACE (benchmarks.program_trace; kernels/triton/trace.py) in the rule's Llama-3-8B batch-1 split
+    plan: the start stamp (and the SM) ahead of the PDL wait and the early tile's loads still there, the release
+    and end stamps after it; the same three in the split merge, its next launch still let in first. Without TRACE
+    neither register is read, and the attention takes no more registers traced than plain."""
+    from tandem.kernels.triton.attention import _launch_plans, _merge_splits_kernel, _paged_attention_kernel
+    plan, = _launch_plans(torch.empty(1, 32, 128, dtype=torch.bfloat16), 4, 1, 8, 1, 2048, kv_bytes=1)
+    consts = _decode_attention_consts(BLOCK_Q=plan["BLOCK_M"] // 4, KV_EARLY=True, KV_READBACK=True,
+                                      **{k: plan[k] for k in ("BLOCK_M", "BLOCK_N", "NUM_SPLITS")})
+    merge_ptrs = dict(out_ptr="*bf16", part_acc_ptr="*fp32", part_ml_ptr="*fp32", query_start_loc_ptr="*i32",
+                      seq_lens_ptr="*i32", q8_ptr="*fp8e4nv", q8s_ptr="*fp32", fp8_max="fp32")
+    merge_consts = dict(NUM_SPLITS=plan["NUM_SPLITS"], D_PAD=128, BLOCK_Q=4, BLOCK_N=128, PDL=True, QUANT_OUT=False,
+                        EARLY=True)
+    compiled = {}
+    for trace in (True, False):
+        extra = dict(trace_ptr="*i64") if trace else {}
+        compiled[trace] = (_compile_sm90(_paged_attention_kernel, dict(DECODE_ATTENTION_PTRS, **extra),
+                                         dict(consts, TRACE=trace), plan["num_warps"], plan["num_stages"]),
+                           _compile_sm90(_merge_splits_kernel, dict(merge_ptrs, **extra),
+                                         dict(merge_consts, TRACE=trace), 4, 1))
+    for kernel in compiled[True]:
+        ahead, after = kernel.asm["ptx"].split("griddepcontrol.wait")
+        assert ahead.count("%globaltimer") == 1 and "%smid" in ahead and after.count("%globaltimer") == 2
+    attention, merge = (c.asm["ptx"] for c in compiled[True])
+    assert attention.split("griddepcontrol.wait")[0].count("ld.global.v4") == 8  # the early tile: 2 x 128 rows
+    assert merge.index("griddepcontrol.launch_dependents") < merge.index("%globaltimer")
+    for kernel in compiled[False]:
+        assert "%globaltimer" not in kernel.asm["ptx"] and "%smid" not in kernel.asm["ptx"]
+    assert _registers(compiled[True][0]) <= _registers(compiled[False][0]) + 8
+
+
 def _registers(compiled) -> int:
     """Registers a thread of a kernel compiled for sm_90, as `ptxas -v` (the ptxas Triton compiles it with) reports
     them, rounded up to the 8 a thread that an SM allocates them in."""

@@ -237,8 +237,8 @@ def test_traced_launch_gives_the_same_output_and_ordered_stamps_gpu():
     trace = []
     traced = fp8_tma_linear(x, w, ws, res, gamma, trace=trace)
     assert all(torch.equal(a, b) for a, b in zip(plain, traced))
-    (stamps,) = trace
-    assert stamps.shape == (4096 // 128 * split_for(4096, 4096, num_sms(x.device)), 8)
+    ((name, stamps),) = trace
+    assert name == "tma_gemm" and stamps.shape == (4096 // 128 * split_for(4096, 4096, num_sms(x.device)), 8)
     t = stamps.cpu()
     assert (t[:, 0] > 0).all() and (t[:, 0] <= t[:, 1]).all() and (t[:, 1] <= t[:, 2]).all()
     assert (t[:, 2] <= t[:, 3]).all() and (t[:, 4] >= 0).all() and (t[:, 4] < num_sms(x.device)).all()

@@ -198,6 +198,20 @@ def test_paged_attention_rope_fp8_cache_kv_early(heads):
         assert _rel(out, ref) < TOL[torch.bfloat16] and _rel(out, outs[False]) < 2e-3, ctx
         assert torch.equal(kc2.view(torch.uint8), k_caches[False]), ctx
         assert torch.equal(vc2.view(torch.uint8), vc_ref.view(torch.uint8)), ctx
+        # TRACE (benchmarks.program_trace): the rule's launch and its merge, traced, bit for bit the launch
+        # without, each program with keys stamped in order on a real SM, the merge's after the attention's
+        trace, kc2, vc2 = [], kc.clone(), vc.clone()
+        out = _paged_attention(q, kc2, vc2, bt, seq_lens, qsl, 0.08, 1, 2048,
+                               rope=NewTokens(positions, k, v, cache, slots, norm), trace=trace)
+        assert torch.equal(out, outs[True]) and torch.equal(kc2.view(torch.uint8), k_caches[True]), ctx
+        assert [name for name, _ in trace] == ["attention", "merge"], ctx
+        attn, merge = (b.cpu() for _, b in trace)
+        live = attn[attn[:, 3] > 0]
+        assert len(live) >= 1 and (live[:, 0] <= live[:, 1]).all() and (live[:, 1] <= live[:, 3]).all(), ctx
+        assert (merge[:, 0] <= merge[:, 1]).all() and (merge[:, 1] <= merge[:, 3]).all(), ctx
+        assert int(merge[:, 1].min()) >= int(live[:, 3].max()), ctx  # its wait released once the attention ended
+        sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+        assert ((attn[:, 4] >= 0) & (attn[:, 4] < sms)).all(), ctx
 
 
 def test_paged_attention_graph_capture():

@@ -1,0 +1,36 @@
+"""Program clocks for benchmarks.program_trace (CUDA): a kernel compiled with its TRACE constexpr stamps the GPU's
+nanosecond clock (%globaltimer) at points of its choosing into its program's row of 8 int64, and its SM's id
+(%smid) into column SM with the first stamp. Off (TRACE False) a kernel compiles as if this file did not exist.
+The Gluon TMA GEMM has its own copy of `stamp` (kernels/triton/fp8_tma.py _stamp: Gluon kernels call Gluon
+functions), with the same row layout."""
+import torch
+import triton
+import triton.language as tl
+
+START, RELEASED, WEIGHT_IN, END, SM = range(5)  # the columns every traced kernel uses (WEIGHT_IN: the TMA GEMM's)
+ROW = 8
+
+
+@triton.jit
+def stamp(trace_ptr, slot: tl.constexpr):
+    """The clock into column `slot` of this program's row (programs numbered over a grid of up to three axes, the
+    last fastest); with slot 0 (START) the SM too."""
+    pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
+    row = trace_ptr + pid.to(tl.int64) * 8
+    if slot == 0:
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.store(row + 4, sm.to(tl.int64))
+    tl.store(row + slot, tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                                   is_pure=False, pack=1))
+
+
+def trace_args(trace: list | None, name: str, programs: int, device: torch.device) -> dict:
+    """A traced launch's keyword arguments: a buffer of [programs, ROW] int64 appended to trace as (name, buffer)
+    and TRACE on; none without a trace list. The buffer is left as allocated (a fill would put a memset between
+    this launch and the one ahead in a graph): rows of programs that return before a stamp keep what was there,
+    so the reader zeroes the buffers before it runs what it traces."""
+    if trace is None:
+        return {}
+    buf = torch.empty(programs, ROW, device=device, dtype=torch.int64)
+    trace.append((name, buf))
+    return dict(trace_ptr=buf, TRACE=True)
