@@ -99,6 +99,18 @@ def tuned_plans(variant: str) -> list[tuple[dict | None, object, dict]]:
     return out
 
 
+def plans_flag(ap: argparse.ArgumentParser) -> None:
+    """--plans F for the scripts that build one engine (profile_decode, program_trace); plans_from_flag installs."""
+    ap.add_argument("--plans", default=None, help="a plan_tune JSON file: its plans in the tables (the decode "
+                                                   "attention's through plan_tune's hook) while the engine is built "
+                                                   "and measured, as benchmarks.ab_decode's plans= variants")
+
+
+def plans_from_flag(args: argparse.Namespace):
+    """plans_installed for --plans (plans_flag): nothing installed without it."""
+    return plans_installed(tuned_plans(f"plans={args.plans}") if args.plans else [])
+
+
 @contextlib.contextmanager
 def plans_installed(plans: list[tuple[dict | None, object, dict]]):
     """The plans in their tables (and the attention's through plan_tune's hook) while the block

@@ -341,13 +341,11 @@ def main() -> None:
     decode_step_args(ap)
     ap.add_argument("--steps", type=int, default=40)
     kernel_flags(ap)
-    ap.add_argument("--plans", default=None, help="a plan_tune JSON file: its plans in the tables (the decode "
-                                                   "attention's through plan_tune's hook) while the engine is built "
-                                                   "and profiled, as benchmarks.ab_decode's plans= variants")
+    from benchmarks.ab_decode import plans_flag, plans_from_flag
+    plans_flag(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from benchmarks.ab_decode import plans_installed, tuned_plans
-    with plans_installed(tuned_plans(f"plans={args.plans}") if args.plans else []):
+    with plans_from_flag(args):
         profile(args)
 
 

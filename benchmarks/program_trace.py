@@ -153,10 +153,17 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=20, help="graph replays before the stamps are read (the last's)")
     ap.add_argument("--layers", type=int, default=4, help="layers printed one by one before the mean")
     kernel_flags(ap)
+    from benchmarks.ab_decode import plans_flag, plans_from_flag
+    plans_flag(ap)
     args = ap.parse_args()
-    from benchmarks.profile_decode import decoding_engine, recapture
+    from benchmarks.profile_decode import decoding_engine
+    with plans_from_flag(args):  # (the graph is captured again inside: the plans must still be in)
+        trace(args, decoding_engine(args, 64))
 
-    llm = decoding_engine(args, 64)
+
+def trace(args: argparse.Namespace, llm) -> None:
+    """Both tables of args' step, the engine llm's graph captured again with the launches traced."""
+    from benchmarks.profile_decode import recapture
     runner = llm.engine.runner
     hook = TracedLaunches()
     try:
