@@ -124,12 +124,14 @@ def format_timeline(label: str, t: dict) -> str:
 
 class TracedLaunches:
     """While installed, the TMA GEMM (fp8_tma_linear) and the paged attention with its split merge, launched
-    during a CUDA graph capture, stamp their programs' clocks into buffers of their own, appended to `launches`
-    as (name, buffer) in launch order; each replay of the graph rewrites them."""
+    during a CUDA graph capture, stamp their programs' clocks into buffers of their own (cut from one zeroed arena
+    allocated before the capture: kernels/triton/trace.py Trace), appended to `launches` as (name, buffer) in
+    launch order; each replay of the graph rewrites them."""
 
-    def __init__(self):
+    def __init__(self, device: str = "cuda"):
         from tandem.kernels.triton import attention, fp8_tma
-        self.launches: list[tuple[str, torch.Tensor]] = []
+        from tandem.kernels.triton.trace import Trace
+        self.launches = Trace(1 << 18, torch.device(device))  # (16 MB; a capture of the 30B's step takes ~50K rows)
         self._undo = []
         for module, name in ((fp8_tma, "fp8_tma_linear"), (attention, "_paged_attention")):
             plain = getattr(module, name)
@@ -173,8 +175,6 @@ def trace(args: argparse.Namespace, llm) -> None:
     if not any(name == "tma_gemm" for name, _ in hook.launches):
         raise SystemExit("no fp8_tma_linear launch in the captured step: this model, batch and these flags do not "
                          "run the o projection on the TMA GEMM (kernels.fp8._tma_gemm)")
-    for _, b in hook.launches:  # (allocated empty in the capture, so that no memset sits between two launches)
-        b.zero_()
     graph = runner.graphs.graphs[args.batch][0]
     for _ in range(args.replays):
         graph.replay()

@@ -70,7 +70,7 @@ def test_hook_passes_a_trace_list_only_while_capturing(monkeypatch):
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     fakes = fp8_tma.fp8_tma_linear, attention._paged_attention
-    hook = program_trace.TracedLaunches()
+    hook = program_trace.TracedLaunches("cpu")
     try:
         assert fp8_tma.fp8_tma_linear("x", pdl=True) == "out" and calls[-1] == ("gemm", dict(pdl=True))
         assert attention._paged_attention("q", pdl=True) == "attn" and calls[-1] == ("attention", dict(pdl=True))
@@ -79,6 +79,10 @@ def test_hook_passes_a_trace_list_only_while_capturing(monkeypatch):
         assert calls[-1][1]["trace"] is hook.launches and calls[-1][1]["pdl"] is True
         attention._paged_attention("q")
         assert calls[-1] == ("attention", dict(trace=hook.launches))
+        from tandem.kernels.triton.trace import trace_args
+        a, b = (trace_args(hook.launches, name, n, torch.device("cpu"))["trace_ptr"] for name, n in (("a", 3), ("b", 2)))
+        assert a.shape == (3, 8) and b.shape == (2, 8) and b.data_ptr() == a.data_ptr() + 3 * 64  # one arena, in turn
+        assert [name for name, _ in hook.launches] == ["a", "b"] and not hook.launches.arena.any()
     finally:
         hook.restore()
     assert (fp8_tma.fp8_tma_linear, attention._paged_attention) == fakes
