@@ -450,12 +450,19 @@ PLANS: dict[tuple[int, int], dict] = {
     # not the rule's 16; the b=1 step on an H200 1.988 -> 1.949 ms, tokens equal (SPLIT 8: 2.124; RESULTS.md,
     # thirty-third session)
     (2048, 4096): {"SPLIT": 32},
+    # Llama-3-8B's o projection (and any 4096 x 4096) at up to 16 rows: 16 K shares (512 programs of 2 tiles), not
+    # the rule's 8 (256 of 4). Beside the split-K attention at 128 registers (KV_READBACK) all 512 get in before the
+    # merge ends, against ~30 of the 256 starting only at its end (benchmarks.program_trace). H100 b=1 step, two
+    # processes on one machine (2026-12-07): 3.257 -> 3.221 and 3.261 -> 3.220 ms, 4 shares 3.307; before
+    # KV_READBACK 16 shares had lost (H100 3.176 against 3.162, H200 2.573 against 2.557; RESULTS.md)
+    (4096, 4096): {"SPLIT": 16},
 }
 
 
 def rows_for(m: int, n: int, k: int) -> int:
     """The x rows (the wgmma's N) a program of fp8_tma_linear stages for M = m: 8 where m <= 8, which leaves
-    the Llama-3-8B o projection's programs (SPLIT 8) 77 KB of shared memory, not 88: by shared memory two of them
+    the Llama-3-8B o projection's programs at the rule's SPLIT 8 77 KB of shared memory, not 88 (at its PLANS entry's
+    16, 39 KB): by shared memory two of them
     fit an SM beside a split-K attention program at 2 stages (68 KB; 36 KB at the rule's one, where 16-row programs
     fit too). By registers, with KV_EARLY's tile put in from registers that attention program (8 warps) takes
     248-254 registers a thread (ptxas 12.8 with Triton 3.6, and 13.4), all of an SM's 64K (sm_90 compiles,

@@ -111,11 +111,11 @@ def test_a_tma_split_walk_goes_in_the_tma_table_while_building(tmp_path):
     from tandem.kernels.triton import fp8_tma
     f = tmp_path / "tma.json"
     f.write_text(json.dumps({"walks": [{"what": "tma (4096, 4096)", "best": {"SPLIT": 4}}]}))
-    assert fp8_tma.split_for(4096, 4096, 132) == 8
+    assert fp8_tma.split_for(4096, 4096, 132) == 16
     tma_before = dict(fp8_tma.PLANS)  # (the table's own measured plans)
     with ab_decode.plans_installed(ab_decode.tuned_plans(f"plans={f}")):
         assert fp8_tma.split_for(4096, 4096, 132) == 4
-    assert fp8_tma.split_for(4096, 4096, 132) == 8 and fp8_tma.PLANS == tma_before
+    assert fp8_tma.split_for(4096, 4096, 132) == 16 and fp8_tma.PLANS == tma_before
     f.write_text(json.dumps({"walks": [{"what": "tma ring (4096, 14336)", "best": {"SPLIT": 4, "STAGES": 8}}]}))
     before = dict(fp8_tma.RING_PLANS)  # (the table's own measured plans)
     with ab_decode.plans_installed(ab_decode.tuned_plans(f"plans={f}")):

@@ -17,10 +17,11 @@ def test_split_rule(monkeypatch):
     """A program an SM at the fewest K shares, at most MAX_TILES tiles a program, one wave of shared memory."""
     from tandem.kernels.triton import fp8_tma
     from tandem.kernels.triton.fp8_tma import MAX_TILES, split_for
-    assert split_for(4096, 4096, 132) == 8  # Llama-3-8B o: 32 strips x 8 shares of 4 tiles
+    assert split_for(4096, 4096, 132) == 16  # Llama-3-8B o: its PLANS entry, 32 strips x 16 shares of 2 tiles
     assert split_for(2048, 4096, 132) == 32  # Qwen3-30B-A3B o: its PLANS entry, a tile a program
     monkeypatch.setattr(fp8_tma, "PLANS", {})
     assert split_for(2048, 4096, 132) == 16  # the rule: 16 strips x 16 shares of 2 tiles
+    assert split_for(4096, 4096, 132) == 8  # the rule: 32 strips x 8 shares of 4 tiles
     assert split_for(256, 256, 132) == 2  # a tile a program where the strips are few
     assert split_for(4096, 14336, 132) is None  # 512 programs of 7 tiles: more than one wave fits
     assert split_for(512, 384, 132) is None  # 3 tiles: no power-of-two share
@@ -123,7 +124,7 @@ def test_merging_programs_read_partials_not_x():
 @pytest.mark.parametrize("hidden,kv_heads", [(4096, 8), (2048, 4)])
 def test_merging_programs_match_the_merge_launch_gpu(ctx, hidden, kv_heads):
     """The o projection's TMA GEMM on one token's decode attention partials (kernels.linear.SplitPartials; 32
-    heads of 128 over an fp8 cache, the 8B's o at the rule's SPLIT 8 and the 30B-A3B's at its PLANS entry's 32,
+    heads of 128 over an fp8 cache, the 8B's o at its PLANS entry's SPLIT 16 and the 30B-A3B's at 32,
     one head a program; contexts whose splits all, some or one have keys) against the same GEMM on the merge
     launch's output, and that against fp8_linear_ref."""
     from tandem.kernels.linear import SplitPartials
@@ -155,7 +156,8 @@ def test_merging_programs_match_the_merge_launch_gpu(ctx, hidden, kv_heads):
 
 
 def test_o_programs_of_8_rows_fit_two_beside_an_attention_program():
-    """rows_for's reason: the Llama-3-8B o projection at 1 row (SPLIT 8, 4 tiles a program) in 8-row programs, two
+    """rows_for's reason: the Llama-3-8B o projection at 1 row at the rule's SPLIT 8 (4 tiles a program; its PLANS
+    entry now takes 16 shares of 2 tiles, smaller still) in 8-row programs, two
     to an SM beside a batch-1 decode attention program (the rule's plan: the last tile early and read back, one
     stage), within an SM's 228 KB of shared memory (1 KB a program reserved) and its 64K registers. 16-row programs
     fit by shared memory beside the one-stage plan but not by registers; without KV_READBACK the attention takes
