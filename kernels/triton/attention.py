@@ -508,13 +508,15 @@ def _merge_splits_kernel(
     wait_previous(PDL)  # the partials come from the kernel ahead; the metadata above does not
     if TRACE:
         stamp(trace_ptr, 1)
+    # all three loads before any reduction: one round trip to L2, not two (the acc load issued after the (m, l)
+    # reductions' barriers waits for them)
+    d_off = tl.arange(0, D_PAD)
     m = tl.load(part_ml_ptr + (base + sp) * 2, mask=live, other=float("-inf"))
     l = tl.load(part_ml_ptr + (base + sp) * 2 + 1, mask=live, other=0.0)
+    acc = tl.load(part_acc_ptr + (base + sp)[:, None] * D_PAD + d_off[None, :], mask=live[:, None], other=0.0)
     m_max = tl.max(m, axis=0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
     denom = tl.sum(w * l, axis=0)
-    d_off = tl.arange(0, D_PAD)
-    acc = tl.load(part_acc_ptr + (base + sp)[:, None] * D_PAD + d_off[None, :], mask=live[:, None], other=0.0)
     out = (tl.sum(acc * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)).to(out_ptr.dtype.element_ty)
     if QUANT_OUT:
         _store_head_quantized(out[None, :], q8_ptr + t.to(tl.int64) * stride_q8t + h * head_dim + d_off[None, :],
