@@ -1,7 +1,9 @@
-"""When each program of the decode layer's attention, its split merge and the FP8 o projection's TMA GEMM
-(kernels/triton/fp8_tma.py) runs inside the decode step's CUDA graph: per program the GPU clock (%globaltimer, ns)
-at its start, at the release of its PDL wait (the kernels ahead done), (the GEMM's) when all of its weight had
-arrived in shared memory, and at its end, and its SM (TRACE; kernels/triton/trace.py).
+"""When each program of the decode layer's attention, its split merge, the FP8 o projection's TMA GEMM and the
+ring GEMMs and experts (kernels/triton/fp8_tma.py) runs inside the decode step's CUDA graph: per program the GPU
+clock (%globaltimer, ns) at its start, at the release of its PDL wait (the kernels ahead done), (the GEMMs') when
+its weight had arrived in shared memory (the TMA GEMM: all of it; a ring: its first stage), and at its end, and
+its SM (TRACE; kernels/triton/trace.py). Launches of other kernels (norms, the router, the LM head) are not
+stamped.
 
 Why: at batch 1 that GEMM is let in while the attention runs, so its weight can stream before the merge ends, yet
 on an H100 it stays exposed ~11 us after the merge for 5.6 us of weight bytes, and takes 9.7 us alone
@@ -17,10 +19,12 @@ programs started 1 us or more before the release. "Weight in" is when a program,
 of x, found all of its weight tiles landed: never before the release, and a few tenths of a us past it where the
 weight was already there. Then the mean over the layers.
 
-Second table, per layer, the same clock: the attention's programs (those with keys: the rest return before their
-wait) from their first start to their last end, the merge's, and how many GEMM programs started while an
-attention program was still live on their SM ("beside"). %globaltimer's update interval is the GPU's (up to
-1 us on some), fine for gaps of several us.
+Second table, per layer, every traced launch in order on the same clock (the release of the layer's o GEMM):
+its programs that ran to the end (attention programs without keys return early and are left out), their SMs,
+how many started 1 us or more before their own release; the first start, the median release, weight in, the
+median end and the last end; and "exposed", its last end less the last end of the traced launch before it (an
+untraced launch between counts in the next one). A layer runs from its attention to the next layer's qkv ring.
+%globaltimer's update interval is the GPU's (up to 1 us on some), fine for gaps of several us.
 """
 import argparse
 import statistics
@@ -77,63 +81,101 @@ HEADER = (f"{'launch':<8}{'progs':>5}{'SMs':>5}{'/SM':>4}{'early':>7}   {'start:
           f"{'weight in: min p50   p90    max':<27}   {'end: p50   max':<13}   in-start")
 
 
-def layer_timeline(layer: dict[str, torch.Tensor]) -> dict:
-    """One layer's launches {"attention", "merge" (absent where the GEMM merges), "tma_gemm": stamps [programs, 8]}
-    -> us against the release of the GEMM's wait. Attention programs with no keys stamp only their start (their
-    rows are left 0 past it) and are left out."""
-    gemm = layer["tma_gemm"].cpu().tolist()
-    t0 = statistics.median(r[RELEASED] for r in gemm)
-    us = lambda ns: (ns - t0) / 1e3  # noqa: E731
-    attn = [r for r in layer["attention"].cpu().tolist() if r[END] > 0]
-    out = dict(attention=len(attn), attention_sms=len({r[SM] for r in attn}),
-               attention_span=[us(min(r[START] for r in attn)), us(statistics.median(r[RELEASED] for r in attn)),
-                               us(statistics.median(r[END] for r in attn)), us(max(r[END] for r in attn))])
-    if "merge" in layer:
-        merge = [r for r in layer["merge"].cpu().tolist() if r[END] > 0]
-        out["merge_span"] = [us(min(r[START] for r in merge)), us(max(r[END] for r in merge))]
-    last_end: dict[int, int] = {}
-    for r in attn:
-        last_end[r[SM]] = max(last_end.get(r[SM], 0), r[END])
-    out["beside"] = sum(r[START] < last_end.get(r[SM], 0) for r in gemm)
-    out["gemm_span"] = [us(_pct([r[START] for r in gemm], 0.5)), us(max(r[END] for r in gemm))]
+def _launch(name: str, stamps: torch.Tensor) -> dict | None:
+    """One launch's programs that ran to their end stamp (those returning early, attention programs without keys,
+    and every program of a launch the replays did not run, leave it 0), ns; None where there are none."""
+    rows = [r for r in stamps.cpu().tolist() if r[END] > 0]
+    if not rows:
+        return None
+    released = statistics.median(r[RELEASED] for r in rows)
+    weight = [r[WEIGHT_IN] for r in rows if r[WEIGHT_IN] > 0]
+    return dict(name=name, programs=len(rows), sms=len({r[SM] for r in rows}),
+                early=sum(r[START] <= released - 1000 for r in rows), start=min(r[START] for r in rows),
+                released=released, weight_in=statistics.median(weight) if weight else None,
+                end=statistics.median(r[END] for r in rows), last=max(r[END] for r in rows))
+
+
+def layers(launches: list[tuple[str, torch.Tensor]]) -> list[list[dict]]:
+    """The launches in order (kernels/triton/trace.py: the attention, its merge, the TMA GEMM, the rings, the
+    experts' w13 and w2) cut into layers at each attention launch: per launch its programs (_launch) and "exposed",
+    its last end less the last end of the launch before it in the step, us. Only layers with a TMA GEMM (o), and
+    on the clock of its wait's release (0 us): start, released, weight in, end and last in us."""
+    ran = []
+    for name, buf in launches:
+        launch = _launch(name, buf)
+        if launch is not None:
+            launch["exposed"] = (launch["last"] - ran[-1]["last"]) / 1e3 if ran else None
+            ran.append(launch)
+    kept = []
+    for lay in _cut(ran, lambda la: la["name"]):
+        gemm = next((la for la in lay if la["name"] == "tma_gemm"), None)
+        if gemm is None:
+            continue
+        t0 = gemm["released"]
+        for la in lay:
+            for k in ("start", "released", "end", "last"):
+                la[k] = (la[k] - t0) / 1e3
+            la["weight_in"] = (la["weight_in"] - t0) / 1e3 if la["weight_in"] is not None else None
+        kept.append(lay)
+    return kept
+
+
+def _cut(items: list, name_of) -> list[list]:
+    """items in launch order cut into layers, one starting at each attention launch (those before the first:
+    dropped)."""
+    out: list[list] = []
+    for it in items:
+        if name_of(it) == "attention":
+            out.append([])
+        if out:
+            out[-1].append(it)
     return out
 
 
-def layers(launches: list[tuple[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-    """The launches in order, cut into layers at each attention launch; only layers that ran a TMA GEMM whose
-    stamps were written (a buffer of a capture the runner threw away stays 0)."""
-    out: list[dict[str, torch.Tensor]] = []
-    for name, buf in launches:
-        if name == "attention":
-            out.append({})
-        if out:
-            out[-1].setdefault(name, buf)  # (the first TMA GEMM after the attention: o)
-    return [lay for lay in out if "tma_gemm" in lay and int(lay["tma_gemm"][:, RELEASED].min()) > 0]
+def _groups(launches: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
+    """The launches cut into layers (_cut), keeping those whose TMA GEMM ran (its stamps written)."""
+    return [g for g in _cut(launches, lambda la: la[0])
+            if any(n == "tma_gemm" and int(b[:, END].max()) > 0 for n, b in g)]
 
 
-TIMELINE_HEADER = (f"{'layer':<8}{'attn':>5}{'SMs':>5}   {'attention: start  wait   end p50  end max':<40}   "
-                   f"{'merge: start  end':<18}   {'gemm: start p50  end max':<25}{'beside':>7}")
+def mean_layer(lays: list[list[dict]]) -> list[dict]:
+    """The layers whose launches are named as the first's, averaged launch by launch (a figure absent anywhere:
+    None)."""
+    names = [la["name"] for la in lays[0]]
+    same = [lay for lay in lays if [la["name"] for la in lay] == names]
+    out = []
+    for i, name in enumerate(names):
+        row = dict(name=name)
+        for k in ("programs", "sms", "early", "start", "released", "weight_in", "end", "last", "exposed"):
+            vals = [lay[i][k] for lay in same]
+            row[k] = statistics.fmean(vals) if all(v is not None for v in vals) else None
+        out.append(row)
+    return out
 
 
-def format_timeline(label: str, t: dict) -> str:
-    f = lambda xs: " ".join(f"{x:7.1f}" for x in xs)  # noqa: E731
-    merge = f(t["merge_span"]) if "merge_span" in t else f"{'-':>7} {'-':>7}"
-    return (f"{label:<8}{t['attention']:>5.0f}{t['attention_sms']:>5.0f}   {f(t['attention_span']):<40}   "
-            f"{merge:<18}   {f(t['gemm_span']):<25}{t['beside']:>7.0f}")
+CHAIN_HEADER = (f"{'layer':<6}{'launch':<18}{'progs':>6}{'SMs':>5}{'early':>6}{'start':>8}{'release':>8}"
+                f"{'w in':>7}{'end':>7}{'last':>7}{'exposed':>8}")
+
+
+def format_launch(label: str, la: dict) -> str:
+    f = lambda v, w=7: f"{v:>{w}.1f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
+    return (f"{label:<6}{la['name']:<18}{la['programs']:>6.0f}{la['sms']:>5.0f}{la['early']:>6.0f}{f(la['start'], 8)}"
+            f"{f(la['released'], 8)}{f(la['weight_in'])}{f(la['end'])}{f(la['last'])}{f(la['exposed'], 8)}")
 
 
 class TracedLaunches:
-    """While installed, the TMA GEMM (fp8_tma_linear) and the paged attention with its split merge, launched
-    during a CUDA graph capture, stamp their programs' clocks into buffers of their own (cut from one zeroed arena
-    allocated before the capture: kernels/triton/trace.py Trace), appended to `launches` as (name, buffer) in
-    launch order; each replay of the graph rewrites them."""
+    """While installed, the TMA GEMM (fp8_tma_linear), the ring GEMMs and experts, and the paged attention with its
+    split merge, launched during a CUDA graph capture, stamp their programs' clocks into buffers of their own (cut
+    from one zeroed arena allocated before the capture: kernels/triton/trace.py Trace), appended to `launches` as
+    (name, buffer) in launch order; each replay of the graph rewrites them."""
 
     def __init__(self, device: str = "cuda"):
         from tandem.kernels.triton import attention, fp8_tma
         from tandem.kernels.triton.trace import Trace
         self.launches = Trace(1 << 18, torch.device(device))  # (16 MB; a capture of the 30B's step takes ~50K rows)
         self._undo = []
-        for module, name in ((fp8_tma, "fp8_tma_linear"), (attention, "_paged_attention")):
+        for module, name in ((fp8_tma, "fp8_tma_linear"), (fp8_tma, "fp8_tma_ring_linear"),
+                             (fp8_tma, "fp8_tma_ring_experts"), (attention, "_paged_attention")):
             plain = getattr(module, name)
 
             def traced(*args, _plain=plain, **kwargs):
@@ -180,18 +222,19 @@ def trace(args: argparse.Namespace, llm) -> None:
         graph.replay()
     torch.cuda.synchronize()
     lays = layers(hook.launches)
-    summaries = [summarize(lay["tma_gemm"]) for lay in lays]
+    summaries = [summarize(next(buf for name, buf in group if name == "tma_gemm")) for group in _groups(hook.launches)]
     print(f"{torch.cuda.get_device_name()}: {args.model} b={args.batch} ctx={args.context}, {len(summaries)} "
           f"layers with a TMA GEMM; us against the release of each GEMM's PDL wait")
     print(HEADER)
     for i, s in enumerate(summaries[:args.layers]):
         print(format_row(f"#{i}", s))
     print(format_row("mean", mean_summary(summaries)))
-    timelines = [layer_timeline(lay) for lay in lays]
-    print(TIMELINE_HEADER)
-    for i, t in enumerate(timelines[:args.layers]):
-        print(format_timeline(f"#{i}", t))
-    print(format_timeline("mean", mean_summary(timelines)))
+    print(CHAIN_HEADER)
+    for i, lay in enumerate(lays[:args.layers]):
+        for la in lay:
+            print(format_launch(f"#{i}", la))
+    for la in mean_layer(lays):
+        print(format_launch("mean", la))
 
 
 if __name__ == "__main__":

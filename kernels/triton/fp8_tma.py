@@ -216,7 +216,8 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
                          EXPERT_LATE: gl.constexpr = False, SILU_OUT: gl.constexpr = False, aq_ptr=None, as_ptr=None,
                          fp8_max=1.0, sq_ptr=None, sqs_ptr=None, QUANT_SG: gl.constexpr = False,
                          num_experts=1, RANK: gl.constexpr = False, E_PAD: gl.constexpr = 32,
-                         TOP_K: gl.constexpr = 1, SOFTMAX: gl.constexpr = True, RENORMALIZE: gl.constexpr = False):
+                         TOP_K: gl.constexpr = 1, SOFTMAX: gl.constexpr = True, RENORMALIZE: gl.constexpr = False,
+                         trace_ptr=None, TRACE: gl.constexpr = False):
     """The ring form (fp8_tma_ring_linear): x quantized ahead (fp8 rows by TMA, their scales xs [M, K / 128]),
     TILES K tiles a program through STAGES shared-memory stages of a weight tile and its x tile, one mbarrier a
     stage; the first STAGES weight tiles requested before the wait, a stage refilled with the tile STAGES ahead
@@ -236,7 +237,9 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     last of them sums both, a 128-column group of the activation (_silu_out).
     RANK (with EXPERT_STRIPS or EXPERT_SHARES): ids_ptr holds the token's router logits [num_experts] float32,
     not its ids: each program ranks them itself (_ranked_expert) for its pair's expert and routing weight, so the
-    routing launch ahead takes no ticket."""
+    routing launch ahead takes no ticket.
+    TRACE (benchmarks.program_trace): the program's start, its wait's release, its first stage landed and its end
+    stamped (_stamp)."""
     BN_: gl.constexpr = w_desc.block_type.shape[0]
     BK_: gl.constexpr = w_desc.block_type.shape[1]
     BM_: gl.constexpr = x_desc.block_type.shape[0]
@@ -247,9 +250,13 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     w_row = pid_n  # the strip's row block in the weight, its first K tile there and in x, x's first row
     wk0 = kb0
     x_row = 0
+    if TRACE:
+        _stamp(trace_ptr, 0)
     if PDL and EXPERT_LATE:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if TRACE and EXPERT_LATE:
+        _stamp(trace_ptr, 1)
     if EXPERT_STRIPS > 0:
         if RANK:
             expert, _ = _ranked_expert(ids_ptr, num_experts, pid_n // EXPERT_STRIPS, E_PAD, TOP_K, SOFTMAX,
@@ -293,6 +300,8 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     if PDL and not EXPERT_LATE:  # (kernels/triton/pdl.py's wait_previous)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if TRACE and not EXPERT_LATE:
+        _stamp(trace_ptr, 1)
 
     for i in gl.static_range(STAGES):  # x rows past M arrive as zeros (the descriptor's bounds) or go unused
         TMA_LOAD(x_desc, [x_row, (wk0 + i) * BK_], bars.index(i), x_smem.index(i))
@@ -321,6 +330,8 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     for i in gl.static_range(TILES):
         st = i % STAGES
         mbarrier.wait(bars.index(st), (i // STAGES) & 1)
+        if TRACE and i == 0:
+            _stamp(trace_ptr, 2)
         d = warpgroup_mma(w_smem.index(st), x_smem.index(st).permute((1, 0)), gl.zeros([BN_, BM_], gl.float32, mma),
                           use_acc=False)
         acc += d * (xs_smem.slice(i * BM_, BM_).load(gl.SliceLayout(0, mma)) * _pick(ws, i, vec))[None, :]
@@ -338,6 +349,8 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     else:
         _finish(acc, out_ptr, part_ptr, ticket_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, pid_k, N, stride_om,
                 stride_gm, SPLIT, NORM_OUT, sq_ptr, sqs_ptr, fp8_max, QUANT_SG)
+    if TRACE:
+        _stamp(trace_ptr, 3)
 
 
 @gluon.jit
@@ -624,13 +637,14 @@ def fp8_tma_ring_linear(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_s
                         dtype: torch.dtype, residual: torch.Tensor | None = None,
                         norm_weight: torch.Tensor | None = None, norm_in: tuple[torch.Tensor, float] | None = None,
                         pdl: bool = True, plan: tuple[int, int] | None = None,
-                        sg_quant: tuple[torch.Tensor, torch.Tensor] | None = None
+                        sg_quant: tuple[torch.Tensor, torch.Tensor] | None = None, trace: list | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """kernels.fp8._quantized_linear_ref for rows quantized ahead: xq [M <= 16, K] e4m3, xs [M, K / 128] float32
     (quantize_rows with groups of 128), w [N, K] e4m3 with w_scale [N / 128, K / 128] (ring_supports) -> out
     [M, N] in dtype. residual [M, N] and norm_weight [N] (NORM_OUT): (s, sg, ss) as fp8_tma_linear. norm_in
     (ss [16, strips] float32, eps): xq is a pending norm's sg quantized, the output scaled by each row's 1/rms.
-    plan: (SPLIT, STAGES), default ring_plan. sg_quant: as fp8_tma_linear's."""
+    plan: (SPLIT, STAGES), default ring_plan. sg_quant: as fp8_tma_linear's. trace: as fp8_tma_linear's, the launch
+    named "ring NxK" (TRACE; its weight-in column: the first stage landed)."""
     m, k = xq.shape
     n = w.shape[0]
     if not 0 < m <= BM:
@@ -654,7 +668,8 @@ def fp8_tma_ring_linear(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_s
         w_scale.stride(0), out.stride(0), res.stride(0), sg.stride(0), ss_in.shape[1] if norm_in else 1, eps, out, out,
         TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=min(stages, tiles), SPLIT=split, NORM_OUT=norm,
         NORM_IN=norm_in is not None, S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in else 1, num_warps=4,
-        fp8_max=float(torch.finfo(torch.float8_e4m3fn).max), **_sg_quant_args(sg_quant, norm), **launch_args(xq, pdl))
+        fp8_max=float(torch.finfo(torch.float8_e4m3fn).max), **_sg_quant_args(sg_quant, norm),
+        **trace_args(trace, f"ring {n}x{k}", n // BN * split, xq.device), **launch_args(xq, pdl))
     return out, sg, ss
 
 
@@ -681,7 +696,7 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
                          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                          pdl: bool = True, early: bool = True, ids_late: bool = False, silu_out: bool = True,
                          sg_quant: tuple[torch.Tensor, torch.Tensor] | None = None,
-                         ranked: tuple[torch.Tensor, int, bool, str] | None = None
+                         ranked: tuple[torch.Tensor, int, bool, str] | None = None, trace: list | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token's routed experts on the ring form, every expert held here (ring_experts_supports): xq [1, H] e4m3
     and xs [1, H / 128] its row quantized ahead (norm_in: a pending norm's sg, as fp8_tma_ring_linear takes it);
@@ -695,7 +710,8 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
     ms (benchmarks/RESULTS.md). -> (out [1, H] in dtype, sg, ss) as fp8_tma_ring_linear (residual and norm_weight:
     NORM_OUT; sg_quant: as fp8_tma_linear's). ranked = (logits [E] float32, top_k, renormalize, scoring), with
     ids and topk_w None and ids_late: the router's logits from the launch just ahead (route_token_triton with rank
-    False), which every program of both launches ranks itself (RANK)."""
+    False), which every program of both launches ranks itself (RANK). trace: as fp8_tma_ring_linear's, the launches
+    named "w13" and "w2"."""
     from tandem.kernels.triton.activation import silu_and_mul_quant_triton
     e, two_i, h = w13.shape
     dev = xq.device
@@ -727,7 +743,7 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
         STAGES=min(stages, tiles), SPLIT=split, NORM_OUT=False, NORM_IN=norm_in is not None,
         S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in else 1, num_warps=4, EXPERT_STRIPS=two_i // BN,
         EXPERT_LATE=ids_late, SILU_OUT=silu_out, aq_ptr=aq, as_ptr=a_s, fp8_max=float(torch.finfo(xq.dtype).max),
-        **rank, **launch_args(xq, pdl))
+        **rank, **trace_args(trace, "w13", n1 // BN * split, dev), **launch_args(xq, pdl))
     if not silu_out:
         aq, a_s = silu_and_mul_quant_triton(gate_up.view(top_k, two_i), xq.dtype, BK, pdl, early=early)
     norm = residual is not None
@@ -747,7 +763,7 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
         TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=min(w2_stages, tiles),
         SPLIT=top_k * shares, NORM_OUT=norm, NORM_IN=False, S_PAD=1, num_warps=4, EXPERT_SHARES=shares,
         fp8_max=float(torch.finfo(torch.float8_e4m3fn).max), **_sg_quant_args(sg_quant, norm), **rank,
-        **launch_args(aq, pdl))
+        **trace_args(trace, "w2", h // BN * top_k * shares, dev), **launch_args(aq, pdl))
     return out, sg, ss
 
 

@@ -33,33 +33,47 @@ def test_mean_summary_averages_scalars_and_lists():
     assert program_trace.mean_summary([a, b]) == dict(programs=3.0, start=[1.0, 3.0])
 
 
-def test_layers_cut_at_each_attention_and_keep_the_first_gemm():
-    z = lambda v: torch.full((2, 8), v, dtype=torch.int64)  # noqa: E731
-    launches = [("tma_gemm", z(9)),  # before any attention: dropped
-                ("attention", z(1)), ("merge", z(2)), ("tma_gemm", z(3)), ("tma_gemm", z(4)),
-                ("attention", z(5)), ("tma_gemm", z(6)),
-                ("attention", z(7)), ("tma_gemm", z(0))]  # never written: dropped
-    lays = program_trace.layers(launches)
-    assert [sorted(lay) for lay in lays] == [["attention", "merge", "tma_gemm"], ["attention", "tma_gemm"]]
-    assert int(lays[0]["tma_gemm"][0, 0]) == 3 and int(lays[1]["attention"][0, 0]) == 5
+def _step():
+    """A hand-made traced step: the qkv ring of the layer before, then one layer, then an attention launch whose
+    layer has no TMA GEMM, then launches the replays never ran (rows 0)."""
+    zeros = torch.zeros(4, 8, dtype=torch.int64)
+    return [("ring 6144x4096", _stamps([(100, 200, 300, 4_000, 0), (100, 200, 300, 5_000, 1)])),
+            ("attention", _stamps([(1_000, 4_000, 0, 9_000, 1), (1_500, 4_200, 0, 10_000, 2),
+                                   (1_200, 0, 0, 0, 3)])),  # no keys: returned after its start stamp
+            ("merge", _stamps([(8_000, 10_500, 0, 12_000, 4), (8_100, 10_600, 0, 12_500, 5)])),
+            ("tma_gemm", _stamps([(9_000, 13_000, 14_000, 16_000, 1), (12_500, 13_000, 14_500, 17_000, 2)])),
+            ("ring 28672x4096", _stamps([(14_000, 17_100, 18_000, 30_000, 3)])),
+            ("attention", _stamps([(31_000, 32_000, 0, 33_000, 1)])),
+            ("ring 4096x14336", _stamps([(33_000, 33_500, 34_000, 40_000, 2)])),
+            ("attention", zeros), ("tma_gemm", zeros)]
 
 
-def test_layer_timeline_is_relative_to_the_gemm_release():
-    # the GEMM's wait released at 20_000 ns; two attention programs with keys on SMs 1 and 2, one without (its row
-    # past the start left 0)
-    attention = _stamps([(1_000, 2_000, 0, 14_000, 1), (1_500, 2_500, 0, 16_000, 2), (1_200, 0, 0, 0, 3)])
-    merge = _stamps([(15_000, 16_500, 0, 19_000, 4), (15_500, 16_400, 0, 19_800, 5)])
-    gemm = _stamps([(10_000, 20_000, 20_300, 25_000, 1),  # on SM 1 while its attention program ran: beside
-                    (15_000, 20_000, 21_000, 27_000, 1),  # on SM 1 after it ended
-                    (12_000, 20_000, 20_500, 26_000, 3),  # on SM 3, where no program with keys ran
-                    (15_800, 20_000, 22_000, 24_000, 2)])  # on SM 2 before its attention program's end: beside
-    t = program_trace.layer_timeline(dict(attention=attention, merge=merge, tma_gemm=gemm))
-    assert (t["attention"], t["attention_sms"], t["beside"]) == (2, 2, 2)
-    # start -19, wait released (median of 2.0, 2.5 us) -17.75, end median -5, max -4
-    assert t["attention_span"] == pytest.approx([-19.0, -17.75, -5.0, -4.0])
-    assert t["merge_span"] == pytest.approx([-5.0, -0.2])
-    assert t["gemm_span"] == pytest.approx([-6.5, 7.0])  # start median of 10, 12, 15, 15.8 us: 13.5
-    assert "merge_span" not in program_trace.layer_timeline(dict(attention=attention, tma_gemm=gemm))
+def test_layers_put_each_launch_on_the_gemm_clock():
+    (lay,) = program_trace.layers(_step())  # the second attention's layer has no TMA GEMM; the third never ran
+    assert [la["name"] for la in lay] == ["attention", "merge", "tma_gemm", "ring 28672x4096"]
+    attn, merge, gemm, ring = lay
+    # the GEMM released at 13_000 ns (0 us); the attention's program without keys is left out
+    assert (attn["programs"], attn["sms"], attn["early"]) == (2, 2, 2)
+    assert (attn["start"], attn["released"], attn["end"], attn["last"]) == pytest.approx((-12.0, -8.9, -3.5, -3.0))
+    assert attn["weight_in"] is None and attn["exposed"] == pytest.approx(5.0)  # after the qkv ring's last end
+    assert (merge["last"], merge["exposed"]) == pytest.approx((-0.5, 2.5))
+    assert (gemm["programs"], gemm["early"], gemm["released"]) == (2, 1, 0.0)
+    assert (gemm["weight_in"], gemm["end"], gemm["last"], gemm["exposed"]) == pytest.approx((1.25, 3.5, 4.0, 4.5))
+    assert (ring["early"], ring["released"], ring["weight_in"]) == (1, pytest.approx(4.1), pytest.approx(5.0))
+    assert (ring["last"], ring["exposed"]) == pytest.approx((17.0, 13.0))
+    rows = [program_trace.format_launch("#0", la) for la in lay]
+    assert rows[0].split() == ["#0", "attention", "2", "2", "2", "-12.0", "-8.9", "-", "-3.5", "-3.0", "5.0"]
+    assert rows[3].split()[1:3] == ["ring", "28672x4096"]
+
+
+def test_mean_layer_averages_the_layers_named_as_the_first():
+    lay = program_trace.layers(_step())[0]
+    other = [dict(la, last=la["last"] + 2.0) for la in lay]
+    odd = lay[:2]  # another sequence of launches: left out
+    mean = program_trace.mean_layer([lay, other, odd])
+    assert [m["name"] for m in mean] == [la["name"] for la in lay]
+    assert [m["last"] for m in mean] == pytest.approx([la["last"] + 1.0 for la in lay])
+    assert mean[0]["weight_in"] is None and mean[2]["weight_in"] == pytest.approx(1.25)
 
 
 def test_hook_passes_a_trace_list_only_while_capturing(monkeypatch):
@@ -67,6 +81,7 @@ def test_hook_passes_a_trace_list_only_while_capturing(monkeypatch):
     calls = []
     monkeypatch.setattr(fp8_tma, "fp8_tma_linear", lambda *a, **kw: calls.append(("gemm", kw)) or "out")
     monkeypatch.setattr(attention, "_paged_attention", lambda *a, **kw: calls.append(("attention", kw)) or "attn")
+    monkeypatch.setattr(fp8_tma, "fp8_tma_ring_linear", lambda *a, **kw: calls.append(("ring", kw)) or "ring")
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     fakes = fp8_tma.fp8_tma_linear, attention._paged_attention
@@ -79,8 +94,10 @@ def test_hook_passes_a_trace_list_only_while_capturing(monkeypatch):
         assert calls[-1][1]["trace"] is hook.launches and calls[-1][1]["pdl"] is True
         attention._paged_attention("q")
         assert calls[-1] == ("attention", dict(trace=hook.launches))
+        assert fp8_tma.fp8_tma_ring_linear("xq") == "ring" and calls[-1] == ("ring", dict(trace=hook.launches))
         from tandem.kernels.triton.trace import trace_args
-        a, b = (trace_args(hook.launches, name, n, torch.device("cpu"))["trace_ptr"] for name, n in (("a", 3), ("b", 2)))
+        cpu = torch.device("cpu")
+        a, b = (trace_args(hook.launches, name, n, cpu)["trace_ptr"] for name, n in (("a", 3), ("b", 2)))
         assert a.shape == (3, 8) and b.shape == (2, 8) and b.data_ptr() == a.data_ptr() + 3 * 64  # one arena, in turn
         assert [name for name, _ in hook.launches] == ["a", "b"] and not hook.launches.arena.any()
     finally:

@@ -292,7 +292,7 @@ def test_w2_plan(monkeypatch):
 
 def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: bool, pdl: bool = True,
                   strips: int = 0, shares: int = 0, late: bool = False, silu: bool = False, quant_sg: bool = False,
-                  rank: bool = False):
+                  rank: bool = False, trace: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -308,13 +308,13 @@ def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: 
     ints = ("M", "N", "K", "stride_xs", "stride_ws", "stride_om", "stride_rm", "stride_gm", "in_strips")
     consts = dict(TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=stages, SPLIT=split, NORM_OUT=norm_out,
                   NORM_IN=norm_in, S_PAD=32, PDL=pdl, num_warps=4, EXPERT_STRIPS=strips, EXPERT_SHARES=shares,
-                  EXPERT_LATE=late, SILU_OUT=silu, QUANT_SG=quant_sg)
+                  EXPERT_LATE=late, SILU_OUT=silu, QUANT_SG=quant_sg, TRACE=trace)
     # RANK: Qwen3-30B-A3B's routing (128 experts, top 8, softmax, renormalized)
     consts.update(RANK=rank, E_PAD=128, TOP_K=8, SOFTMAX=True, RENORMALIZE=True)
     sig = {"w_desc": _w_desc(w).__mangle__(), "x_desc": x_desc.__mangle__(), **ptrs, **{n: "i32" for n in ints},
            "eps": "fp32", "ids_ptr": "*fp32" if rank else "*i32", "topk_w_ptr": "*fp32",
            **{n: "constexpr" for n in consts}, "aq_ptr": "*fp8e4nv", "as_ptr": "*fp32", "fp8_max": "fp32",
-           "sq_ptr": "*fp8e4nv", "sqs_ptr": "*fp32", "num_experts": "i32"}
+           "sq_ptr": "*fp8e4nv", "sqs_ptr": "*fp32", "num_experts": "i32", "trace_ptr": "*i64"}
     return triton.compile(GluonASTSource(_fp8_tma_ring_kernel, sig, constexprs=consts),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
@@ -335,6 +335,26 @@ def test_ring_compiles_with_its_first_stages_before_the_wait(tiles, stages, spli
     assert ("atom.global" in ptx or "atom.acq_rel" in ptx) == (split > 1)
     assert ("rsqrt" in ptx) == norm_in
     assert compiled.metadata.shared * per_sm <= 227 * 1024
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_traced_ring_stamps_around_its_wait_and_first_stage(late):
+    """TRACE in the ring form (benchmarks.program_trace): start, wait released, first stage landed, end, in that
+    order, the first stages' weight still requested before the wait (after it with EXPERT_LATE, whose release
+    stamp comes before them); without TRACE no clock is read."""
+    args = (8, 6, 2, False, True)
+    ptx = _compile_ring(*args, strips=12, late=late, trace=True).asm["ptx"]
+    stamps = [i for i in range(len(ptx)) if ptx.startswith("%globaltimer", i)]
+    copies = [i for i in range(len(ptx)) if ptx.startswith("cp.async.bulk.tensor", i)]
+    wait = ptx.index("griddepcontrol.wait")
+    assert len(stamps) == 4 and "%smid" in ptx[:stamps[0]]
+    assert stamps[0] < wait < stamps[1] < stamps[2] < ptx.index("wgmma") < stamps[3]
+    assert ptx.index("mbarrier.try_wait") < stamps[2]
+    if late:
+        assert stamps[1] < copies[0]
+    else:
+        assert stamps[0] < copies[0] and copies[5] < wait
+    assert "%globaltimer" not in _compile_ring(*args, strips=12, late=late).asm["ptx"]
 
 
 @pytest.mark.parametrize("strips,shares", [(12, 0), (0, 1), (0, 2)])
@@ -443,6 +463,27 @@ def test_ring_takes_rows_quantized_ahead_where_the_o_gemm_does_not(monkeypatch):
                                                                                                  (128, 128))
     assert fp8._quantizes_in_gemm(sg, qkv, (128, 128)) and fp8.tma_ring(sg, qkv, (128, 128), on, normed=True)
     assert not fp8.tma_ring(sg, gate_up, (128, 128), KernelConfig(fp8_tma_ring_normed=False), normed=True)
+
+
+@pytest.mark.gpu
+def test_traced_ring_gives_the_same_output_and_ordered_stamps_gpu():
+    """TRACE in the ring form (benchmarks.program_trace) against the launch without it: the same output bit for bit,
+    the launch named by its shape, every program's row stamped in order (start <= wait released <= first stage
+    landed <= end) on a real SM."""
+    g, w, ws, x = hopper_block_case(1, 4096, 14336)
+    from tandem.kernels.fp8 import E4M3, quantize_rows
+    from tandem.kernels.triton.device import num_sms
+    from tandem.kernels.triton.fp8_tma import fp8_tma_ring_linear, ring_plan
+    xq, xs = quantize_rows(x, E4M3, 128)
+    plain = fp8_tma_ring_linear(xq, xs, w, ws, torch.bfloat16)[0]
+    trace = []
+    traced = fp8_tma_ring_linear(xq, xs, w, ws, torch.bfloat16, trace=trace)[0]
+    assert torch.equal(plain, traced)
+    ((name, stamps),) = trace
+    assert name == "ring 4096x14336" and stamps.shape == (4096 // 128 * ring_plan(4096, 14336, num_sms(x.device))[0], 8)
+    t = stamps.cpu()
+    assert (t[:, 0] > 0).all() and (t[:, 0] <= t[:, 1]).all() and (t[:, 1] <= t[:, 2]).all()
+    assert (t[:, 2] <= t[:, 3]).all() and (t[:, 4] >= 0).all() and (t[:, 4] < num_sms(x.device)).all()
 
 
 @pytest.mark.gpu
