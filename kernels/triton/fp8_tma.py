@@ -54,8 +54,7 @@ def _pick(v, i: gl.constexpr, layout: gl.constexpr):
 def _stamp(trace_ptr, slot: gl.constexpr):
     """TRACE: the GPU's nanosecond clock (%globaltimer) into slot `slot` of this program's row of 8 int64
     (fp8_tma_linear's trace: [programs, 8]); slot 4 gets the SM's id (%smid) with the first stamp, which clears
-    columns 1-3. The Gluon twin
-    of kernels/triton/trace.py's stamp."""
+    columns 1-3. The Gluon twin of kernels/triton/trace.py's stamp."""
     row = trace_ptr + (gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)) * 8
     if slot == 0:
         sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
@@ -474,13 +473,13 @@ PLANS: dict[tuple[int, int], dict] = {
 
 def rows_for(m: int, n: int, k: int) -> int:
     """The x rows (the wgmma's N) a program of fp8_tma_linear stages for M = m: 8 where m <= 8, which leaves
-    the Llama-3-8B o projection's programs at the rule's SPLIT 8 77 KB of shared memory, not 88 (at its PLANS entry's
-    16, 39 KB): by shared memory two of them
-    fit an SM beside a split-K attention program at 2 stages (68 KB; 36 KB at the rule's one, where 16-row programs
-    fit too). By registers, with KV_EARLY's tile put in from registers that attention program (8 warps) takes
-    248-254 registers a thread (ptxas 12.8 with Triton 3.6, and 13.4), all of an SM's 64K (sm_90 compiles,
-    thirty-eighth session; an o program: 102 registers, 4 warps). With KV_READBACK (the rule's since the fortieth
-    session) it takes 128: two 8-row programs fit beside it by registers too, two 16-row ones (192) do not."""
+    the Llama-3-8B o projection's programs at the rule's SPLIT 8 77 KB of shared memory, not 88 (at its PLANS
+    entry's 16, 39 KB): by shared memory two of them fit an SM beside a split-K attention program at 2 stages
+    (68 KB; 36 KB at the rule's one, where 16-row programs fit too). By registers, with KV_EARLY's tile put in
+    from registers that attention program (8 warps) takes 248-254 registers a thread (ptxas 12.8 with Triton 3.6,
+    and 13.4), all of an SM's 64K (sm_90 compiles, thirty-eighth session; an o program: 102 registers, 4 warps).
+    With KV_READBACK (the rule's since the fortieth session) it takes 128: two 8-row programs fit beside it by
+    registers too, two 16-row ones (192) do not."""
     return PLANS.get((n, k), {}).get("ROWS", 8 if m <= 8 else 16)
 
 
