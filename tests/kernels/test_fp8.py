@@ -706,6 +706,20 @@ DECODE_ATTENTION_PTRS = dict(
     kw_ptr="*bf16", eps="fp32", q8_ptr="*fp8e4nv", q8s_ptr="*fp32", fp8_max="fp32")
 
 
+MERGE_PTRS = dict(out_ptr="*bf16", part_acc_ptr="*fp32", part_ml_ptr="*fp32", query_start_loc_ptr="*i32",
+                  seq_lens_ptr="*i32", q8_ptr="*fp8e4nv", q8s_ptr="*fp32", fp8_max="fp32")
+
+
+def _compile_merge(**changes):
+    """_merge_splits_kernel for sm_90 (one decode token's 64 splits of a head of 128, 4 warps), with constexpr
+    changes; TRACE adds its trace pointer."""
+    from tandem.kernels.triton.attention import _merge_splits_kernel
+    consts = dict(dict(NUM_SPLITS=64, D_PAD=128, BLOCK_Q=4, BLOCK_N=128, PDL=True, QUANT_OUT=False, EARLY=True),
+                  **changes)
+    ptrs = dict(MERGE_PTRS, trace_ptr="*i64") if consts.get("TRACE") else MERGE_PTRS
+    return _compile_sm90(_merge_splits_kernel, ptrs, consts, 4, 1)
+
+
 def _decode_attention_consts(**changes) -> dict:
     """_paged_attention_kernel's constexprs for one Llama-3-8B decode over an e4m3 cache (rope fused, 64-key tiles,
     no split, f16 dots), with changes."""
@@ -782,21 +796,16 @@ def test_traced_decode_attention_and_merge_stamp_the_clock_around_their_waits():
     plan: the start stamp (and the SM) ahead of the PDL wait and the early tile's loads still there, the release
     and end stamps after it; the same three in the split merge, its next launch still let in first. Without TRACE
     neither register is read, and the attention takes no more registers traced than plain."""
-    from tandem.kernels.triton.attention import _launch_plans, _merge_splits_kernel, _paged_attention_kernel
+    from tandem.kernels.triton.attention import _launch_plans, _paged_attention_kernel
     plan, = _launch_plans(torch.empty(1, 32, 128, dtype=torch.bfloat16), 4, 1, 8, 1, 2048, kv_bytes=1)
     consts = _decode_attention_consts(BLOCK_Q=plan["BLOCK_M"] // 4, KV_EARLY=True, KV_READBACK=True,
                                       **{k: plan[k] for k in ("BLOCK_M", "BLOCK_N", "NUM_SPLITS")})
-    merge_ptrs = dict(out_ptr="*bf16", part_acc_ptr="*fp32", part_ml_ptr="*fp32", query_start_loc_ptr="*i32",
-                      seq_lens_ptr="*i32", q8_ptr="*fp8e4nv", q8s_ptr="*fp32", fp8_max="fp32")
-    merge_consts = dict(NUM_SPLITS=plan["NUM_SPLITS"], D_PAD=128, BLOCK_Q=4, BLOCK_N=128, PDL=True, QUANT_OUT=False,
-                        EARLY=True)
     compiled = {}
     for trace in (True, False):
         extra = dict(trace_ptr="*i64") if trace else {}
         compiled[trace] = (_compile_sm90(_paged_attention_kernel, dict(DECODE_ATTENTION_PTRS, **extra),
                                          dict(consts, TRACE=trace), plan["num_warps"], plan["num_stages"]),
-                           _compile_sm90(_merge_splits_kernel, dict(merge_ptrs, **extra),
-                                         dict(merge_consts, TRACE=trace), 4, 1))
+                           _compile_merge(NUM_SPLITS=plan["NUM_SPLITS"], TRACE=trace))
     for kernel in compiled[True]:
         ahead, after = kernel.asm["ptx"].split("griddepcontrol.wait")
         assert ahead.count("%globaltimer") == 1 and "%smid" in ahead and after.count("%globaltimer") == 2

@@ -191,12 +191,8 @@ def test_o_programs_of_8_rows_fit_two_beside_an_attention_program():
 
 @pytest.mark.parametrize("early", [False, True])
 def test_merge_lets_the_next_launch_in_before_its_wait_only_when_early(early):
-    from tandem.kernels.triton.attention import _merge_splits_kernel
-    from tests.kernels.test_fp8 import _compile_sm90
-    consts = dict(NUM_SPLITS=64, D_PAD=128, BLOCK_Q=4, BLOCK_N=128, PDL=True, QUANT_OUT=False, EARLY=early)
-    ptx = _compile_sm90(_merge_splits_kernel, dict(out_ptr="*bf16", part_acc_ptr="*fp32", part_ml_ptr="*fp32",
-                                                   query_start_loc_ptr="*i32", seq_lens_ptr="*i32", q8_ptr="*fp8e4nv",
-                                                   q8s_ptr="*fp32", fp8_max="fp32"), consts, 4, 1).asm["ptx"]
+    from tests.kernels.test_fp8 import _compile_merge
+    ptx = _compile_merge(EARLY=early).asm["ptx"]
     first = ptx.index("griddepcontrol.launch_dependents")
     assert (first < ptx.index("griddepcontrol.wait")) == early
 
@@ -204,12 +200,8 @@ def test_merge_lets_the_next_launch_in_before_its_wait_only_when_early(early):
 def test_merge_issues_all_its_loads_before_any_reduction():
     """The split merge's partials, (m, l) and acc, are all requested right after its PDL wait, before the first
     shuffle or barrier of its reductions: one round trip to L2 on the way from the attention to o, not two."""
-    from tandem.kernels.triton.attention import _merge_splits_kernel
-    from tests.kernels.test_fp8 import _compile_sm90
-    consts = dict(NUM_SPLITS=64, D_PAD=128, BLOCK_Q=4, BLOCK_N=128, PDL=True, QUANT_OUT=True, EARLY=True)
-    ptx = _compile_sm90(_merge_splits_kernel, dict(out_ptr="*bf16", part_acc_ptr="*fp32", part_ml_ptr="*fp32",
-                                                   query_start_loc_ptr="*i32", seq_lens_ptr="*i32", q8_ptr="*fp8e4nv",
-                                                   q8s_ptr="*fp32", fp8_max="fp32"), consts, 4, 1).asm["ptx"]
+    from tests.kernels.test_fp8 import _compile_merge
+    ptx = _compile_merge(QUANT_OUT=True).asm["ptx"]
     after = ptx.split("griddepcontrol.wait")[1]
     first_sync = min(after.index("shfl.sync"), after.index("bar.sync"))
     # 64 splits x (m, l) and 64 x 128 floats of acc over 128 threads: 16 16-byte acc loads a thread among them
