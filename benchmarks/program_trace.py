@@ -83,13 +83,14 @@ HEADER = (f"{'launch':<8}{'progs':>5}{'SMs':>5}{'/SM':>4}{'early':>7}   {'start:
 
 def _launch(name: str, stamps: torch.Tensor) -> dict | None:
     """One launch's programs that ran to their end stamp (those returning early, attention programs without keys,
-    and every program of a launch the replays did not run, leave it 0), ns; None where there are none."""
+    and every program of a launch the replays did not run, leave it 0), ns, and its stamps as they are; None where
+    there are none."""
     rows = [r for r in stamps.cpu().tolist() if r[END] > 0]
     if not rows:
         return None
     released = statistics.median(r[RELEASED] for r in rows)
     weight = [r[WEIGHT_IN] for r in rows if r[WEIGHT_IN] > 0]
-    return dict(name=name, programs=len(rows), sms=len({r[SM] for r in rows}),
+    return dict(name=name, stamps=stamps, programs=len(rows), sms=len({r[SM] for r in rows}),
                 early=sum(r[START] <= released - 1000 for r in rows), start=min(r[START] for r in rows),
                 released=released, weight_in=statistics.median(weight) if weight else None,
                 end=statistics.median(r[END] for r in rows), last=max(r[END] for r in rows))
@@ -107,7 +108,7 @@ def layers(launches: list[tuple[str, torch.Tensor]]) -> list[list[dict]]:
             launch["exposed"] = (launch["last"] - ran[-1]["last"]) / 1e3 if ran else None
             ran.append(launch)
     kept = []
-    for lay in _cut(ran, lambda la: la["name"]):
+    for lay in _cut(ran):
         gemm = next((la for la in lay if la["name"] == "tma_gemm"), None)
         if gemm is None:
             continue
@@ -120,22 +121,16 @@ def layers(launches: list[tuple[str, torch.Tensor]]) -> list[list[dict]]:
     return kept
 
 
-def _cut(items: list, name_of) -> list[list]:
-    """items in launch order cut into layers, one starting at each attention launch (those before the first:
+def _cut(launches: list[dict]) -> list[list[dict]]:
+    """Launches in order cut into layers, one starting at each attention launch (those before the first:
     dropped)."""
-    out: list[list] = []
-    for it in items:
-        if name_of(it) == "attention":
+    out: list[list[dict]] = []
+    for la in launches:
+        if la["name"] == "attention":
             out.append([])
         if out:
-            out[-1].append(it)
+            out[-1].append(la)
     return out
-
-
-def _groups(launches: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
-    """The launches cut into layers (_cut), keeping those whose TMA GEMM ran (its stamps written)."""
-    return [g for g in _cut(launches, lambda la: la[0])
-            if any(n == "tma_gemm" and int(b[:, END].max()) > 0 for n, b in g)]
 
 
 def mean_layer(lays: list[list[dict]]) -> list[dict]:
@@ -172,7 +167,7 @@ class TracedLaunches:
     def __init__(self, device: str = "cuda"):
         from tandem.kernels.triton import attention, fp8_tma
         from tandem.kernels.triton.trace import Trace
-        self.launches = Trace(1 << 18, torch.device(device))  # (16 MB; a capture of the 30B's step takes ~50K rows)
+        self.launches = Trace(1 << 18, torch.device(device))  # (16 MB; take() says so where a capture outgrows it)
         self._undo = []
         for module, name in ((fp8_tma, "fp8_tma_linear"), (fp8_tma, "fp8_tma_ring_linear"),
                              (fp8_tma, "fp8_tma_ring_experts"), (attention, "_paged_attention")):
@@ -222,7 +217,7 @@ def trace(args: argparse.Namespace, llm) -> None:
         graph.replay()
     torch.cuda.synchronize()
     lays = layers(hook.launches)
-    summaries = [summarize(next(buf for name, buf in group if name == "tma_gemm")) for group in _groups(hook.launches)]
+    summaries = [summarize(next(la["stamps"] for la in lay if la["name"] == "tma_gemm")) for lay in lays]
     print(f"{torch.cuda.get_device_name()}: {args.model} b={args.batch} ctx={args.context}, {len(summaries)} "
           f"layers with a TMA GEMM; us against the release of each GEMM's PDL wait")
     print(HEADER)

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-START, RELEASED, WEIGHT_IN, END, SM = range(5)  # the columns every traced kernel uses (WEIGHT_IN: the TMA GEMM's)
+START, RELEASED, WEIGHT_IN, END, SM = range(5)  # the columns every traced kernel uses (WEIGHT_IN: the GEMMs')
 ROW = 8
 
 

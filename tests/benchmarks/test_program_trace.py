@@ -49,7 +49,8 @@ def _step():
 
 
 def test_layers_put_each_launch_on_the_gemm_clock():
-    (lay,) = program_trace.layers(_step())  # the second attention's layer has no TMA GEMM; the third never ran
+    step = _step()
+    (lay,) = program_trace.layers(step)  # the second attention's layer has no TMA GEMM; the third never ran
     assert [la["name"] for la in lay] == ["attention", "merge", "tma_gemm", "ring 28672x4096"]
     attn, merge, gemm, ring = lay
     # the GEMM released at 13_000 ns (0 us); the attention's program without keys is left out
@@ -58,6 +59,7 @@ def test_layers_put_each_launch_on_the_gemm_clock():
     assert attn["weight_in"] is None and attn["exposed"] == pytest.approx(5.0)  # after the qkv ring's last end
     assert (merge["last"], merge["exposed"]) == pytest.approx((-0.5, 2.5))
     assert (gemm["programs"], gemm["early"], gemm["released"]) == (2, 1, 0.0)
+    assert gemm["stamps"] is step[3][1]  # as they were (the first table's summarize reads them)
     assert (gemm["weight_in"], gemm["end"], gemm["last"], gemm["exposed"]) == pytest.approx((1.25, 3.5, 4.0, 4.5))
     assert (ring["early"], ring["released"], ring["weight_in"]) == (1, pytest.approx(4.1), pytest.approx(5.0))
     assert (ring["last"], ring["exposed"]) == pytest.approx((17.0, 13.0))
