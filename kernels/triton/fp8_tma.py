@@ -216,7 +216,7 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
                          fp8_max=1.0, sq_ptr=None, sqs_ptr=None, QUANT_SG: gl.constexpr = False,
                          num_experts=1, RANK: gl.constexpr = False, E_PAD: gl.constexpr = 32,
                          TOP_K: gl.constexpr = 1, SOFTMAX: gl.constexpr = True, RENORMALIZE: gl.constexpr = False,
-                         trace_ptr=None, TRACE: gl.constexpr = False):
+                         trace_ptr=None, TRACE: gl.constexpr = False, LATE_DEPENDENTS: gl.constexpr = False):
     """The ring form (fp8_tma_ring_linear): x quantized ahead (fp8 rows by TMA, their scales xs [M, K / 128]),
     TILES K tiles a program through STAGES shared-memory stages of a weight tile and its x tile, one mbarrier a
     stage; the first STAGES weight tiles requested before the wait, a stage refilled with the tile STAGES ahead
@@ -238,7 +238,11 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     not its ids: each program ranks them itself (_ranked_expert) for its pair's expert and routing weight, so the
     routing launch ahead takes no ticket.
     TRACE (benchmarks.program_trace): the program's start, its wait's release, its first stage landed and its end
-    stamped (_stamp)."""
+    stamped (_stamp).
+    LATE_DEPENDENTS (a RING_PLANS key): the launch after this one is let in (launch_dependents) only once the program
+    has requested its last weight tile, not at its wait's release, so that launch's own early weight requests (the
+    next layer's qkv ring after the experts' w2, w2 after w13) queue behind this launch's last tiles instead of
+    ahead of them."""
     BN_: gl.constexpr = w_desc.block_type.shape[0]
     BK_: gl.constexpr = w_desc.block_type.shape[1]
     BM_: gl.constexpr = x_desc.block_type.shape[0]
@@ -253,7 +257,8 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
         _stamp(trace_ptr, 0)
     if PDL and EXPERT_LATE:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not LATE_DEPENDENTS:
+            tl.extra.cuda.gdc_launch_dependents()
     if TRACE and EXPERT_LATE:
         _stamp(trace_ptr, 1)
     if EXPERT_STRIPS > 0:
@@ -298,12 +303,15 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
         g = gl.load(g_ptr + rn, mask=rn < N, other=0.0).to(gl.float32)
     if PDL and not EXPERT_LATE:  # (kernels/triton/pdl.py's wait_previous)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not LATE_DEPENDENTS:
+            tl.extra.cuda.gdc_launch_dependents()
     if TRACE and not EXPERT_LATE:
         _stamp(trace_ptr, 1)
 
     for i in gl.static_range(STAGES):  # x rows past M arrive as zeros (the descriptor's bounds) or go unused
         TMA_LOAD(x_desc, [x_row, (wk0 + i) * BK_], bars.index(i), x_smem.index(i))
+    if PDL and LATE_DEPENDENTS and TILES <= STAGES:  # every weight tile requested already
+        tl.extra.cuda.gdc_launch_dependents()
     r = gl.zeros([BN_, BM_], gl.float32, mma)
     if NORM_OUT:
         r = gl.load(res_ptr + rm[None, :] * stride_rm + rn[:, None], mask=mask, other=0.0).to(gl.float32)
@@ -338,6 +346,8 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
             mbarrier.expect(bars.index(st), nbytes)
             TMA_LOAD(w_desc, [w_row * BN_, (wk0 + i + STAGES) * BK_], bars.index(st), w_smem.index(st))
             TMA_LOAD(x_desc, [x_row, (wk0 + i + STAGES) * BK_], bars.index(st), x_smem.index(st))
+            if PDL and LATE_DEPENDENTS and i + STAGES == TILES - 1:  # the last weight tile requested
+                tl.extra.cuda.gdc_launch_dependents()
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
     if NORM_IN:
@@ -585,7 +595,8 @@ RING_FIXED_SMEM = 2048  # the barriers and the compiler's scratch (a layout conv
 MAX_STAGES = 8
 # Measured plans: (N, K) -> {"SPLIT": s, "STAGES": t}, where one beat ring_plan's rule in a decode step
 # (benchmarks.ab_decode plans=F, F a walk {"what": "tma ring (N, K)", "best": {...}}); (H, I, top_k) -> {"STAGES":
-# t, "SHARES": s} for the experts' ring w2 (fp8_tma_ring_experts: s K shares an expert, _w2_plan).
+# t, "SHARES": s} for the experts' ring w2 (fp8_tma_ring_experts: s K shares an expert, _w2_plan). Either may set
+# "LATE_DEPENDENTS": True (late_dependents; the kernel's docstring).
 RING_PLANS: dict[tuple[int, ...], dict] = {
     # Qwen3-30B-A3B's ring w13 (8 experts' 1536 x 2048 side by side): 5 stages, not the rule's 6 (4: no change); the
     # b=1 step on an H200 2.095 -> 2.085 ms in every round, tokens equal (RESULTS.md, thirtieth session). Also a dense
@@ -596,6 +607,12 @@ RING_PLANS: dict[tuple[int, ...], dict] = {
     # an H200 4 stages had beaten 6 (2.006 -> 1.990 ms, thirty-second session), 5 not measured there
     (2048, 768, 8): {"STAGES": 5},
 }
+
+
+def late_dependents(key: tuple) -> dict:
+    """The ring kernel's LATE_DEPENDENTS for RING_PLANS's key (N, K) or, for the experts' w2, (H, I, top_k): the
+    plan's "LATE_DEPENDENTS" (default off), as the launch's keyword."""
+    return dict(LATE_DEPENDENTS=bool(RING_PLANS.get(key, {}).get("LATE_DEPENDENTS", False)))
 
 
 def ring_plan(n: int, k: int, sms: int) -> tuple[int, int] | None:
@@ -668,7 +685,8 @@ def fp8_tma_ring_linear(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_s
         TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=min(stages, tiles), SPLIT=split, NORM_OUT=norm,
         NORM_IN=norm_in is not None, S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in else 1, num_warps=4,
         fp8_max=float(torch.finfo(torch.float8_e4m3fn).max), **_sg_quant_args(sg_quant, norm),
-        **trace_args(trace, f"ring {n}x{k}", n // BN * split, xq.device), **launch_args(xq, pdl))
+        **trace_args(trace, f"ring {n}x{k}", n // BN * split, xq.device), **late_dependents((n, k)),
+        **launch_args(xq, pdl))
     return out, sg, ss
 
 
@@ -742,7 +760,7 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
         STAGES=min(stages, tiles), SPLIT=split, NORM_OUT=False, NORM_IN=norm_in is not None,
         S_PAD=triton.next_power_of_2(ss_in.shape[1]) if norm_in else 1, num_warps=4, EXPERT_STRIPS=two_i // BN,
         EXPERT_LATE=ids_late, SILU_OUT=silu_out, aq_ptr=aq, as_ptr=a_s, fp8_max=float(torch.finfo(xq.dtype).max),
-        **rank, **trace_args(trace, "w13", n1 // BN * split, dev), **launch_args(xq, pdl))
+        **rank, **trace_args(trace, "w13", n1 // BN * split, dev), **late_dependents((n1, h)), **launch_args(xq, pdl))
     if not silu_out:
         aq, a_s = silu_and_mul_quant_triton(gate_up.view(top_k, two_i), xq.dtype, BK, pdl, early=early)
     norm = residual is not None
@@ -762,7 +780,8 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
         TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=min(w2_stages, tiles),
         SPLIT=top_k * shares, NORM_OUT=norm, NORM_IN=False, S_PAD=1, num_warps=4, EXPERT_SHARES=shares,
         fp8_max=float(torch.finfo(torch.float8_e4m3fn).max), **_sg_quant_args(sg_quant, norm), **rank,
-        **trace_args(trace, "w2", h // BN * top_k * shares, dev), **launch_args(aq, pdl))
+        **trace_args(trace, "w2", h // BN * top_k * shares, dev), **late_dependents((h, inter, top_k)),
+        **launch_args(aq, pdl))
     return out, sg, ss
 
 

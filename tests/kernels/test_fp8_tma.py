@@ -284,7 +284,7 @@ def test_w2_plan(monkeypatch):
 
 def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: bool, pdl: bool = True,
                   strips: int = 0, shares: int = 0, late: bool = False, silu: bool = False, quant_sg: bool = False,
-                  rank: bool = False, trace: bool = False):
+                  rank: bool = False, trace: bool = False, late_dependents: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -300,7 +300,7 @@ def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: 
     ints = ("M", "N", "K", "stride_xs", "stride_ws", "stride_om", "stride_rm", "stride_gm", "in_strips")
     consts = dict(TILES=tiles, T_PAD=triton.next_power_of_2(tiles), STAGES=stages, SPLIT=split, NORM_OUT=norm_out,
                   NORM_IN=norm_in, S_PAD=32, PDL=pdl, num_warps=4, EXPERT_STRIPS=strips, EXPERT_SHARES=shares,
-                  EXPERT_LATE=late, SILU_OUT=silu, QUANT_SG=quant_sg, TRACE=trace)
+                  EXPERT_LATE=late, SILU_OUT=silu, QUANT_SG=quant_sg, TRACE=trace, LATE_DEPENDENTS=late_dependents)
     # RANK: Qwen3-30B-A3B's routing (128 experts, top 8, softmax, renormalized)
     consts.update(RANK=rank, E_PAD=128, TOP_K=8, SOFTMAX=True, RENORMALIZE=True)
     sig = {"w_desc": _w_desc(w).__mangle__(), "x_desc": x_desc.__mangle__(), **ptrs, **{n: "i32" for n in ints},
@@ -347,6 +347,34 @@ def test_traced_ring_stamps_around_its_wait_and_first_stage(late):
     else:
         assert stamps[0] < copies[0] and copies[5] < wait
     assert "%globaltimer" not in _compile_ring(*args, strips=12, late=late).asm["ptx"]
+
+
+@pytest.mark.parametrize("tiles,stages,strips,shares,late", [
+    (8, 5, 12, 0, True), (6, 5, 0, 1, False), (4, 4, 0, 0, False), (32, 6, 0, 0, False)])
+def test_late_dependents_let_the_next_launch_in_after_the_last_weight_request(tiles, stages, strips, shares, late):
+    """LATE_DEPENDENTS (a RING_PLANS key; the 30B's w13 and w2 plans, a one-stage-a-tile plan, the 8B gate_up's):
+    one launch_dependents, after the wait and after the program's last weight copy (with no refill: after the first
+    stages' x copies); without it, right after the wait, ahead of the refills."""
+    args = (tiles, stages, 2 if strips else (8 if shares else 1), bool(shares), bool(strips))
+    kw = dict(strips=strips, shares=shares, late=late)
+    ptx = _compile_ring(*args, late_dependents=True, **kw).asm["ptx"]
+    copies = [i for i in range(len(ptx)) if ptx.startswith("cp.async.bulk.tensor", i)]
+    assert ptx.count("griddepcontrol.launch_dependents") == 1 and len(copies) == 2 * tiles
+    assert ptx.index("griddepcontrol.wait") < copies[-1] < ptx.index("griddepcontrol.launch_dependents")
+    plain = _compile_ring(*args, **kw).asm["ptx"]
+    released = plain.index("griddepcontrol.launch_dependents")
+    assert plain.index("griddepcontrol.wait") < released
+    assert sum(plain.startswith("cp.async.bulk.tensor", i) for i in range(released, len(plain))) == (
+        2 * tiles - (0 if late else stages))  # every copy after the wait (all of them with EXPERT_LATE)
+
+
+def test_late_dependents_from_the_ring_plans(monkeypatch):
+    """late_dependents reads a RING_PLANS entry's "LATE_DEPENDENTS", off where the entry or the key is absent."""
+    from tandem.kernels.triton import fp8_tma
+    monkeypatch.setitem(fp8_tma.RING_PLANS, (2048, 768, 8), {"STAGES": 5, "LATE_DEPENDENTS": True})
+    assert fp8_tma.late_dependents((2048, 768, 8)) == {"LATE_DEPENDENTS": True}
+    assert fp8_tma.late_dependents((12288, 2048)) == {"LATE_DEPENDENTS": False}
+    assert fp8_tma.late_dependents((1, 1)) == {"LATE_DEPENDENTS": False}
 
 
 @pytest.mark.parametrize("strips,shares", [(12, 0), (0, 1), (0, 2)])
