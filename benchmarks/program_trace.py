@@ -21,8 +21,9 @@ weight was already there. Then the mean over the layers.
 
 Second table, per layer, every traced launch in order on the same clock (the release of the layer's o GEMM):
 its programs that ran to the end (attention programs without keys return early and are left out), their SMs,
-how many started 1 us or more before their own release; the first start, the median release, weight in, the
-median end and the last end; and "exposed", its last end less the last end of the traced launch before it (an
+how many started 1 us or more before their own release; the first start, the median release, (the rings') the
+median time its first stages were requested ("issued": before the release, except for w13, which ranks the router
+logits after its wait first), weight in, the median end and the last end; and "exposed", its last end less the last end of the traced launch before it (an
 untraced launch between counts in the next one). A layer runs from its attention to the next layer's qkv ring.
 %globaltimer's update interval is the GPU's (up to 1 us on some), fine for gaps of several us.
 """
@@ -33,7 +34,7 @@ import torch
 
 from benchmarks.roofline import decode_step_args, kernel_flags
 
-from tandem.kernels.triton.trace import END, RELEASED, SM, START, WEIGHT_IN
+from tandem.kernels.triton.trace import END, ISSUED, RELEASED, SM, START, WEIGHT_IN
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -90,9 +91,11 @@ def _launch(name: str, stamps: torch.Tensor) -> dict | None:
         return None
     released = statistics.median(r[RELEASED] for r in rows)
     weight = [r[WEIGHT_IN] for r in rows if r[WEIGHT_IN] > 0]
+    issued = [r[ISSUED] for r in rows if r[ISSUED] > 0]
     return dict(name=name, stamps=stamps, programs=len(rows), sms=len({r[SM] for r in rows}),
                 early=sum(r[START] <= released - 1000 for r in rows), start=min(r[START] for r in rows),
-                released=released, weight_in=statistics.median(weight) if weight else None,
+                released=released, issued=statistics.median(issued) if issued else None,
+                weight_in=statistics.median(weight) if weight else None,
                 end=statistics.median(r[END] for r in rows), last=max(r[END] for r in rows))
 
 
@@ -116,7 +119,8 @@ def layers(launches: list[tuple[str, torch.Tensor]]) -> list[list[dict]]:
         for la in lay:
             for k in ("start", "released", "end", "last"):
                 la[k] = (la[k] - t0) / 1e3
-            la["weight_in"] = (la["weight_in"] - t0) / 1e3 if la["weight_in"] is not None else None
+            for k in ("issued", "weight_in"):
+                la[k] = (la[k] - t0) / 1e3 if la[k] is not None else None
         kept.append(lay)
     return kept
 
@@ -141,7 +145,7 @@ def mean_layer(lays: list[list[dict]]) -> list[dict]:
     out = []
     for i, name in enumerate(names):
         row = dict(name=name)
-        for k in ("programs", "sms", "early", "start", "released", "weight_in", "end", "last", "exposed"):
+        for k in ("programs", "sms", "early", "start", "released", "issued", "weight_in", "end", "last", "exposed"):
             vals = [lay[i][k] for lay in same]
             row[k] = statistics.fmean(vals) if all(v is not None for v in vals) else None
         out.append(row)
@@ -149,13 +153,14 @@ def mean_layer(lays: list[list[dict]]) -> list[dict]:
 
 
 CHAIN_HEADER = (f"{'layer':<6}{'launch':<18}{'progs':>6}{'SMs':>5}{'early':>6}{'start':>8}{'release':>8}"
-                f"{'w in':>7}{'end':>7}{'last':>7}{'exposed':>8}")
+                f"{'issued':>7}{'w in':>7}{'end':>7}{'last':>7}{'exposed':>8}")
 
 
 def format_launch(label: str, la: dict) -> str:
     f = lambda v, w=7: f"{v:>{w}.1f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
     return (f"{label:<6}{la['name']:<18}{la['programs']:>6.0f}{la['sms']:>5.0f}{la['early']:>6.0f}{f(la['start'], 8)}"
-            f"{f(la['released'], 8)}{f(la['weight_in'])}{f(la['end'])}{f(la['last'])}{f(la['exposed'], 8)}")
+            f"{f(la['released'], 8)}{f(la['issued'])}{f(la['weight_in'])}{f(la['end'])}{f(la['last'])}"
+            f"{f(la['exposed'], 8)}")
 
 
 class TracedLaunches:

@@ -54,13 +54,14 @@ def _pick(v, i: gl.constexpr, layout: gl.constexpr):
 def _stamp(trace_ptr, slot: gl.constexpr):
     """TRACE: the GPU's nanosecond clock (%globaltimer) into slot `slot` of this program's row of 8 int64
     (fp8_tma_linear's trace: [programs, 8]); slot 4 gets the SM's id (%smid) with the first stamp, which clears
-    columns 1-3. The Gluon twin of kernels/triton/trace.py's stamp."""
+    the other clock columns (1-3 and 5). The Gluon twin of kernels/triton/trace.py's stamp."""
     row = trace_ptr + (gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)) * 8
     if slot == 0:
         sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         gl.store(row + 4, sm.to(gl.int64))
         for col in gl.static_range(1, 4):
             gl.store(row + col, 0)
+        gl.store(row + 5, 0)
     gl.store(row + slot, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
                                                    is_pure=False, pack=1))
 
@@ -237,8 +238,8 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     RANK (with EXPERT_STRIPS or EXPERT_SHARES): ids_ptr holds the token's router logits [num_experts] float32,
     not its ids: each program ranks them itself (_ranked_expert) for its pair's expert and routing weight, so the
     routing launch ahead takes no ticket.
-    TRACE (benchmarks.program_trace): the program's start, its wait's release, its first stage landed and its end
-    stamped (_stamp).
+    TRACE (benchmarks.program_trace): the program's start, its wait's release, its first stages requested (with
+    EXPERT_LATE after the ranking; slot 5), its first stage landed and its end stamped (_stamp).
     LATE_DEPENDENTS (a RING_PLANS key): the launch after this one is let in (launch_dependents) only once the program
     has requested its last weight tile, not at its wait's release, so that launch's own early weight requests (the
     next layer's qkv ring after the experts' w2, w2 after w13) queue behind this launch's last tiles instead of
@@ -290,6 +291,8 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     for i in gl.static_range(STAGES):  # the weight depends on no kernel ahead
         mbarrier.expect(bars.index(i), nbytes)
         TMA_LOAD(w_desc, [w_row * BN_, (wk0 + i) * BK_], bars.index(i), w_smem.index(i))
+    if TRACE:
+        _stamp(trace_ptr, 5)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                    instr_shape=[16, BM_, 256 // w_desc.dtype.primitive_bitwidth])
     rm = gl.arange(0, BM_, layout=gl.SliceLayout(0, mma))

@@ -7,15 +7,17 @@ import torch
 import triton
 import triton.language as tl
 
-START, RELEASED, WEIGHT_IN, END, SM = range(5)  # the columns every traced kernel uses (WEIGHT_IN: the GEMMs')
+# the columns every traced kernel uses (WEIGHT_IN: the GEMMs'; ISSUED: the ring's, its first stages requested)
+START, RELEASED, WEIGHT_IN, END, SM, ISSUED = range(6)
+CLEARED = (RELEASED, WEIGHT_IN, END, ISSUED)  # by a program's first stamp
 ROW = 8
 
 
 @triton.jit
 def stamp(trace_ptr, slot: tl.constexpr):
     """The clock into column `slot` of this program's row (programs numbered over a grid of up to three axes, the
-    last fastest); with slot 0 (START) the SM too, and columns 1-3 cleared, so that a program returning before its
-    other stamps leaves 0 there whatever the row held."""
+    last fastest); with slot 0 (START) the SM too, and the other clock columns (CLEARED) set to 0, so that a program
+    returning before its other stamps leaves 0 there whatever the row held."""
     pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
     row = trace_ptr + pid.to(tl.int64) * 8
     if slot == 0:
@@ -23,6 +25,7 @@ def stamp(trace_ptr, slot: tl.constexpr):
         tl.store(row + 4, sm.to(tl.int64))
         for col in tl.static_range(1, 4):
             tl.store(row + col, 0)
+        tl.store(row + 5, 0)  # (CLEARED)
     tl.store(row + slot, tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
                                                    is_pure=False, pack=1))
 

@@ -7,9 +7,10 @@ from benchmarks import program_trace
 
 
 def _stamps(rows):
+    """Rows (start, released, weight_in, end, sm[, issued]) in kernels/triton/trace.py's columns."""
     out = torch.zeros(len(rows), 8, dtype=torch.int64)
-    for i, (start, released, weight_in, end, sm) in enumerate(rows):
-        out[i, :5] = torch.tensor([start, released, weight_in, end, sm])
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row)
     return out
 
 
@@ -42,7 +43,7 @@ def _step():
                                    (1_200, 0, 0, 0, 3)])),  # no keys: returned after its start stamp
             ("merge", _stamps([(8_000, 10_500, 0, 12_000, 4), (8_100, 10_600, 0, 12_500, 5)])),
             ("tma_gemm", _stamps([(9_000, 13_000, 14_000, 16_000, 1), (12_500, 13_000, 14_500, 17_000, 2)])),
-            ("ring 28672x4096", _stamps([(14_000, 17_100, 18_000, 30_000, 3)])),
+            ("ring 28672x4096", _stamps([(14_000, 17_100, 18_000, 30_000, 3, 14_500)])),
             ("attention", _stamps([(31_000, 32_000, 0, 33_000, 1)])),
             ("ring 4096x14336", _stamps([(33_000, 33_500, 34_000, 40_000, 2)])),
             ("attention", zeros), ("tma_gemm", zeros)]
@@ -62,9 +63,10 @@ def test_layers_put_each_launch_on_the_gemm_clock():
     assert gemm["stamps"] is step[3][1]  # as they were (the first table's summarize reads them)
     assert (gemm["weight_in"], gemm["end"], gemm["last"], gemm["exposed"]) == pytest.approx((1.25, 3.5, 4.0, 4.5))
     assert (ring["early"], ring["released"], ring["weight_in"]) == (1, pytest.approx(4.1), pytest.approx(5.0))
+    assert ring["issued"] == pytest.approx(1.5) and gemm["issued"] is None  # (only the rings stamp it)
     assert (ring["last"], ring["exposed"]) == pytest.approx((17.0, 13.0))
     rows = [program_trace.format_launch("#0", la) for la in lay]
-    assert rows[0].split() == ["#0", "attention", "2", "2", "2", "-12.0", "-8.9", "-", "-3.5", "-3.0", "5.0"]
+    assert rows[0].split() == ["#0", "attention", "2", "2", "2", "-12.0", "-8.9", "-", "-", "-3.5", "-3.0", "5.0"]
     assert rows[3].split()[1:3] == ["ring", "28672x4096"]
 
 

@@ -331,21 +331,25 @@ def test_ring_compiles_with_its_first_stages_before_the_wait(tiles, stages, spli
 
 @pytest.mark.parametrize("late", [False, True])
 def test_traced_ring_stamps_around_its_wait_and_first_stage(late):
-    """TRACE in the ring form (benchmarks.program_trace): start, wait released, first stage landed, end, in that
-    order, the first stages' weight still requested before the wait (after it with EXPERT_LATE, whose release
-    stamp comes before them); without TRACE no clock is read."""
+    """TRACE in the ring form (benchmarks.program_trace): start, wait released, first stages requested (ISSUED, right
+    after the first stages' weight copies), first stage landed, end, the first stages' weight still requested
+    before the wait (after it with EXPERT_LATE, whose release stamp comes before them); without TRACE no clock is
+    read."""
     args = (8, 6, 2, False, True)
     ptx = _compile_ring(*args, strips=12, late=late, trace=True).asm["ptx"]
     stamps = [i for i in range(len(ptx)) if ptx.startswith("%globaltimer", i)]
     copies = [i for i in range(len(ptx)) if ptx.startswith("cp.async.bulk.tensor", i)]
     wait = ptx.index("griddepcontrol.wait")
-    assert len(stamps) == 4 and "%smid" in ptx[:stamps[0]]
-    assert stamps[0] < wait < stamps[1] < stamps[2] < ptx.index("wgmma") < stamps[3]
-    assert ptx.index("mbarrier.try_wait") < stamps[2]
+    assert len(stamps) == 5 and "%smid" in ptx[:stamps[0]]
+    start, released, issued, landed, end = (stamps[0], stamps[1], stamps[2], stamps[3], stamps[4]) if late else (
+        stamps[0], stamps[2], stamps[1], stamps[3], stamps[4])
+    assert start < wait < released < landed < ptx.index("wgmma") < end
+    assert copies[5] < issued < copies[6] and issued < landed
+    assert ptx.index("mbarrier.try_wait") < landed
     if late:
-        assert stamps[1] < copies[0]
+        assert released < copies[0]
     else:
-        assert stamps[0] < copies[0] and copies[5] < wait
+        assert start < copies[0] and copies[5] < wait
     assert "%globaltimer" not in _compile_ring(*args, strips=12, late=late).asm["ptx"]
 
 
