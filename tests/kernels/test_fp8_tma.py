@@ -642,6 +642,40 @@ def test_ring_experts_match_reference_gpu(e, h, inter, top_k, mode, w2_shares, m
     assert not tickets(x.device).any()
 
 
+@pytest.mark.gpu
+def test_late_dependents_change_no_output_gpu(monkeypatch):
+    """LATE_DEPENDENTS on w13 and w2 (Qwen3-30B-A3B's expert shapes, a pending norm out) and on a dense ring moves
+    only where the next launch is let in: every output bit for bit as without it, the tickets back at zero."""
+    g, w, ws, x = hopper_block_case(1, 6144, 4096)
+    from tandem.kernels.fp8 import quantize_rows, quantize_weight
+    from tandem.kernels.moe import routed_experts
+    from tandem.kernels.triton import fp8_tma
+    from tandem.kernels.triton.device import tickets
+    e, h, inter, top_k = 128, 2048, 768, 8
+    w13, s13 = quantize_weight(torch.randn(e * 2 * inter, h, device="cuda", generator=g) * 0.05, block=(128, 128))
+    w2, s2 = quantize_weight(torch.randn(e * h, inter, device="cuda", generator=g) * 0.05, block=(128, 128))
+    w13, s13, w2, s2 = (t.view(e, -1, t.shape[-1]) for t in (w13, s13, w2, s2))
+    xe = torch.randn(1, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    logits = torch.randn(1, e, device="cuda", dtype=torch.bfloat16, generator=g)
+    res = torch.randn(1, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    gamma = torch.randn(h, device="cuda", dtype=torch.bfloat16, generator=g)
+    xq, xs = quantize_rows(x, w.dtype, 128)
+
+    def run():
+        experts = routed_experts(xe, logits, w13, w2, top_k, True, scales=(s13, s2, (128, 128)),
+                                 norm_out=(res, gamma))
+        dense = fp8_tma.fp8_tma_ring_linear(xq, xs, w, ws, torch.bfloat16)[0]
+        return [t.clone() for t in (*experts[:3], dense)]
+
+    plain = run()
+    for key in ((top_k * 2 * inter, h), (h, inter, top_k), tuple(w.shape)):
+        monkeypatch.setitem(fp8_tma.RING_PLANS, key, {**fp8_tma.RING_PLANS.get(key, {}), "LATE_DEPENDENTS": True})
+    assert fp8_tma.late_dependents((h, inter, top_k)) == {"LATE_DEPENDENTS": True}
+    for a, b in zip(plain, run()):
+        assert torch.equal(a, b)
+    assert not tickets(x.device).any()
+
+
 @pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("kernel", ["silu_quant", "quant_groups"])
 def test_ring_inputs_let_the_ring_in_before_their_wait_only_when_early(kernel, early):
