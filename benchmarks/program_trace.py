@@ -24,8 +24,9 @@ its programs that ran to the end (attention programs without keys return early a
 how many started 1 us or more before their own release; the first start, the median release, (the rings') the
 median time its first stages were requested ("issued": before the release, except for w13, which ranks the router
 logits after its wait first), weight in, the median end and the last end; and "exposed", its last end less the
-last end of the traced launch before it (an untraced launch between counts in the next one). A layer runs from its attention to the next layer's qkv ring.
-%globaltimer's update interval is the GPU's (up to 1 us on some), fine for gaps of several us.
+last end of the traced launch before it (an untraced launch between counts in the next one). A layer runs from its
+attention to the next layer's qkv ring. %globaltimer's update interval is the GPU's (up to 1 us on some), fine for
+gaps of several us.
 """
 import argparse
 import statistics

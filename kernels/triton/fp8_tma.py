@@ -54,14 +54,14 @@ def _pick(v, i: gl.constexpr, layout: gl.constexpr):
 def _stamp(trace_ptr, slot: gl.constexpr):
     """TRACE: the GPU's nanosecond clock (%globaltimer) into slot `slot` of this program's row of 8 int64
     (fp8_tma_linear's trace: [programs, 8]); slot 4 gets the SM's id (%smid) with the first stamp, which clears
-    the other clock columns (1-3 and 5). The Gluon twin of kernels/triton/trace.py's stamp."""
+    the row's other columns. The Gluon twin of kernels/triton/trace.py's stamp."""
     row = trace_ptr + (gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)) * 8
     if slot == 0:
         sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         gl.store(row + 4, sm.to(gl.int64))
-        for col in gl.static_range(1, 4):
-            gl.store(row + col, 0)
-        gl.store(row + 5, 0)
+        for col in gl.static_range(1, 8):
+            if col != 4:
+                gl.store(row + col, 0)
     gl.store(row + slot, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
                                                    is_pure=False, pack=1))
 

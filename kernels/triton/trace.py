@@ -9,23 +9,22 @@ import triton.language as tl
 
 # the columns every traced kernel uses (WEIGHT_IN: the GEMMs'; ISSUED: the ring's, its first stages requested)
 START, RELEASED, WEIGHT_IN, END, SM, ISSUED = range(6)
-CLEARED = (RELEASED, WEIGHT_IN, END, ISSUED)  # by a program's first stamp
 ROW = 8
 
 
 @triton.jit
 def stamp(trace_ptr, slot: tl.constexpr):
     """The clock into column `slot` of this program's row (programs numbered over a grid of up to three axes, the
-    last fastest); with slot 0 (START) the SM too, and the other clock columns (CLEARED) set to 0, so that a program
+    last fastest); with slot 0 (START) the SM too, and every other column but SM's set to 0, so that a program
     returning before its other stamps leaves 0 there whatever the row held."""
     pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
     row = trace_ptr + pid.to(tl.int64) * 8
     if slot == 0:
         sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
         tl.store(row + 4, sm.to(tl.int64))
-        for col in tl.static_range(1, 4):
-            tl.store(row + col, 0)
-        tl.store(row + 5, 0)  # (CLEARED)
+        for col in tl.static_range(1, 8):
+            if col != 4:  # (SM)
+                tl.store(row + col, 0)
     tl.store(row + slot, tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
                                                    is_pure=False, pack=1))
 
