@@ -13,6 +13,11 @@ from tests.fp8_gpu import hopper_block_case
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
 
+def _at(ptx: str, what: str) -> list[int]:
+    """Where `what` starts in the PTX text, in order."""
+    return [i for i in range(len(ptx)) if ptx.startswith(what, i)]
+
+
 def test_split_rule(monkeypatch):
     """A program an SM at the fewest K shares, at most MAX_TILES tiles a program, one wave of shared memory."""
     from tandem.kernels.triton import fp8_tma
@@ -87,8 +92,8 @@ def test_traced_programs_stamp_the_clock_and_keep_the_weight_ahead_of_the_wait()
     and its SM, in that order around the wait, with every weight tile still requested before it; without TRACE
     neither register is read."""
     ptx = _compile(4, 8, True, pdl=True, rows=8, trace=True).asm["ptx"]
-    stamps = [i for i in range(len(ptx)) if ptx.startswith("%globaltimer", i)]
-    copies = [i for i in range(len(ptx)) if ptx.startswith("cp.async.bulk.tensor", i)]
+    stamps = _at(ptx, "%globaltimer")
+    copies = _at(ptx, "cp.async.bulk.tensor")
     wait = ptx.index("griddepcontrol.wait")
     assert len(stamps) == 4 and "%smid" in ptx and len(copies) == 4
     assert stamps[0] < copies[0] and copies[-1] < wait < stamps[1] < ptx.index("wgmma") and stamps[2] < stamps[3]
@@ -101,7 +106,7 @@ def test_traced_programs_stamp_the_clock_and_keep_the_weight_ahead_of_the_wait()
 def test_compiles_with_every_weight_tile_before_the_wait(tiles, split, norm, rows):
     compiled = _compile(tiles, split, norm, pdl=True, rows=rows)
     ptx = compiled.asm["ptx"]
-    copies = [i for i in range(len(ptx)) if ptx.startswith("cp.async.bulk.tensor", i)]
+    copies = _at(ptx, "cp.async.bulk.tensor")
     assert len(copies) == tiles and copies[-1] < ptx.index("griddepcontrol.wait")  # all of the weight, ahead
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{rows}k32") == tiles * 8  # 2 x 4 a 128 x 128 tile
     assert ("atom.global" in ptx or "atom.acq_rel" in ptx) == (split > 1)  # the split-K ticket
@@ -319,7 +324,7 @@ def test_ring_compiles_with_its_first_stages_before_the_wait(tiles, stages, spli
     the pending norm's 1/rms only with NORM_IN, and the shared memory the rule counted (per_sm programs an SM)."""
     compiled = _compile_ring(tiles, stages, split, norm_out, norm_in)
     ptx = compiled.asm["ptx"]
-    copies = [i for i in range(len(ptx)) if ptx.startswith("cp.async.bulk.tensor", i)]
+    copies = _at(ptx, "cp.async.bulk.tensor")
     wait = ptx.index("griddepcontrol.wait")
     assert len(copies) == 2 * tiles  # a weight tile and an x tile each
     assert sum(c < wait for c in copies) == stages  # the first stages' weight tiles, ahead of the wait
@@ -337,8 +342,8 @@ def test_traced_ring_stamps_around_its_wait_and_first_stage(late):
     read."""
     args = (8, 6, 2, False, True)
     ptx = _compile_ring(*args, strips=12, late=late, trace=True).asm["ptx"]
-    stamps = [i for i in range(len(ptx)) if ptx.startswith("%globaltimer", i)]
-    copies = [i for i in range(len(ptx)) if ptx.startswith("cp.async.bulk.tensor", i)]
+    stamps = _at(ptx, "%globaltimer")
+    copies = _at(ptx, "cp.async.bulk.tensor")
     wait = ptx.index("griddepcontrol.wait")
     assert len(stamps) == 5 and "%smid" in ptx[:stamps[0]]
     start, released, issued, landed, end = (stamps[0], stamps[1], stamps[2], stamps[3], stamps[4]) if late else (
@@ -362,13 +367,13 @@ def test_late_dependents_let_the_next_launch_in_after_the_last_weight_request(ti
     args = (tiles, stages, 2 if strips else (8 if shares else 1), bool(shares), bool(strips))
     kw = dict(strips=strips, shares=shares, late=late)
     ptx = _compile_ring(*args, late_dependents=True, **kw).asm["ptx"]
-    copies = [i for i in range(len(ptx)) if ptx.startswith("cp.async.bulk.tensor", i)]
+    copies = _at(ptx, "cp.async.bulk.tensor")
     assert ptx.count("griddepcontrol.launch_dependents") == 1 and len(copies) == 2 * tiles
     assert ptx.index("griddepcontrol.wait") < copies[-1] < ptx.index("griddepcontrol.launch_dependents")
     plain = _compile_ring(*args, **kw).asm["ptx"]
     released = plain.index("griddepcontrol.launch_dependents")
     assert plain.index("griddepcontrol.wait") < released
-    assert sum(plain.startswith("cp.async.bulk.tensor", i) for i in range(released, len(plain))) == (
+    assert sum(c > released for c in _at(plain, "cp.async.bulk.tensor")) == (
         2 * tiles - (0 if late else stages))  # every copy after the wait (all of them with EXPERT_LATE)
 
 
@@ -392,9 +397,9 @@ def test_ring_experts_read_their_expert_before_the_wait(strips, shares):
                              shares=shares)
     ptx = compiled.asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
-    copies = [i for i in range(len(ptx)) if ptx.startswith("cp.async.bulk.tensor", i)]
+    copies = _at(ptx, "cp.async.bulk.tensor")
     assert sum(c < wait for c in copies) == stages
-    loads = [i for i in range(len(ptx)) if ptx.startswith("ld.global", i)]
+    loads = _at(ptx, "ld.global")
     assert loads and loads[0] < copies[0]  # the expert id, ahead of the first weight copy
     plain = _compile_ring(tiles, stages, 2 if strips else 8 * shares, bool(shares), bool(strips)).asm["ptx"]
     assert plain.count("ld.global") + 1 + bool(shares) == ptx.count("ld.global")  # the id (and the routing weight)
@@ -405,7 +410,7 @@ def test_ring_experts_late_read_their_expert_after_the_wait():
     the PDL wait."""
     ptx = _compile_ring(8, 6, 2, False, True, strips=12, late=True).asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
-    loads = [i for i in range(len(ptx)) if ptx.startswith("ld.global", i)]
+    loads = _at(ptx, "ld.global")
     assert ptx.count("griddepcontrol.wait") == 1 and wait < min(loads)
     assert wait < ptx.index("cp.async.bulk.tensor")
 
@@ -422,7 +427,7 @@ def test_ring_experts_rank_the_logits_themselves(strips, shares):
     plain = _compile_ring(*args, strips=strips, shares=shares, late=bool(strips)).asm["ptx"]
     wait = ranked.index("griddepcontrol.wait")
     first_copy = ranked.index("cp.async.bulk.tensor")
-    logits = [i for i in range(len(ranked)) if ranked.startswith("ld.global", i)][0]
+    logits = _at(ranked, "ld.global")[0]
     assert (logits > wait) == bool(strips) and logits < first_copy
     assert "ex2.approx" in ranked and "ex2.approx" not in plain
     # each of the 8 rounds: a 64-bit max across the warp, two redux.sync (the high word, then the low)
