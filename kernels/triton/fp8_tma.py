@@ -609,6 +609,10 @@ RING_PLANS: dict[tuple[int, ...], dict] = {
     # H100 the b=1 step 2.168 -> 2.110-2.122 ms (6: 2.131-2.141; 3: 2.265; RESULTS.md, thirty-seventh session); on
     # an H200 4 stages had beaten 6 (2.006 -> 1.990 ms, thirty-second session), 5 not measured there
     (2048, 768, 8): {"STAGES": 5},
+    # Llama-3-8B's ring qkv (6144 x 4096): the rule's plan with LATE_DEPENDENTS, so the o launch after attention is let
+    # in once qkv's last weight tile is requested. On an H100 the b=1 step 3.243-3.247 -> 3.228-3.230 ms in three
+    # processes, tokens equal (down's and gate_up's rings with it: no gain; RESULTS.md, forty-third session)
+    (6144, 4096): {"SPLIT": 4, "STAGES": 6, "LATE_DEPENDENTS": True},
 }
 
 
