@@ -90,5 +90,11 @@ class KernelConfig:
         "at 1 row, a Gluon decode GEMM that leaves the next RMSNorm pending (the TMA o projection, a ring down_proj, "
         "the ring experts' w2) also writes the pending norm's input quantized where the next FP8 GEMM is on the "
         "ring form, so no quantization launch runs between them")})
+    fp8_tma_ring_moe_fold: bool = field(default=False, metadata={"help": (
+        "with fp8_tma_ring_moe_rank and fp8_sg_quant, at 1 row: the TMA o projection ahead of the ring experts "
+        "(leaving the post-attention norm pending) also writes each strip's share of the router GEMM and the "
+        "row quantized, and w13's and w2's programs sum the shares and rank them, so no routing launch runs "
+        "(kernels/triton/fp8_tma.py ROUTER, R_STRIPS); off: on an H100 the Qwen3-30B-A3B b=1 step went from "
+        "2.098-2.101 to 2.170-2.177 ms (benchmarks/RESULTS.md)")})
 
 DEFAULT_KERNELS = KernelConfig()

@@ -357,20 +357,34 @@ def ring_router(x: torch.Tensor, gate: torch.Tensor, config: KernelConfig = DEFA
     return config.fp8_tma_ring_moe_route and route_token_supports(x, gate)
 
 
+def fold_router(x: torch.Tensor, gate: torch.Tensor, config: KernelConfig = DEFAULT_KERNELS) -> bool:
+    """Whether, where ring_experts and ring_router hold for one token x, the GEMM ahead that leaves the norm
+    before them pending may run their router GEMM in partials instead (fp8_linear_add_norm's router;
+    config.fp8_tma_ring_moe_fold with fp8_tma_ring_moe_rank and fp8_sg_quant, a contiguous gate)."""
+    return (config.fp8_tma_ring_moe_fold and config.fp8_tma_ring_moe_rank and config.fp8_sg_quant
+            and x.shape[0] == 1 and gate.is_contiguous() and ring_router(x, gate, config))
+
+
 def routed_experts_ring(x: torch.Tensor, router_logits: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor,
                         top_k: int, renormalize: bool, scoring: str, norm_in: tuple | None, norm_out: tuple | None,
                         scales: tuple, config: KernelConfig = DEFAULT_KERNELS, gate: torch.Tensor | None = None,
-                        quant: tuple[torch.dtype, int] | None = None):
+                        quant: tuple[torch.dtype, int] | None = None, ahead: tuple | None = None):
     """kernels.moe.routed_experts on the ring form (ring_experts), then fp8_tma_ring_experts. router_logits None
     (ring_router): the router GEMM against gate, the top-k and x's row quantized in one launch
     (route_token_triton), whose ids w13 waits for (config.fp8_tma_ring_moe_rank: its logits, which w13's and w2's
     programs rank themselves, no ticket between); else the routing launch, then x's row quantized (not early:
     w13 reads the ids, complete by then, before its wait). norm_in / norm_out as routed_experts takes them; quant
     (with norm_out): the next FP8 GEMM's (dtype, group) for its input, the pending norm's sg (_sg_quant), then
-    returned quantized too: (s, sg, ss, QuantRows)."""
+    returned quantized too: (s, sg, ss, QuantRows). ahead = (partials [strips, E], QuantRows), with gate and norm_in:
+    the router GEMM in partial sums and x's row quantized, left by the o projection ahead (fp8_linear_add_norm's
+    router), which w13's and w2's programs sum and rank: no routing launch."""
     from tandem.kernels.triton.fp8_tma import fp8_tma_ring_experts
     ranked = None
-    if router_logits is None:
+    if ahead is not None and router_logits is None and norm_in is not None:
+        partials, rows = ahead
+        xq, xs, weights, ids = rows.q, rows.s, None, None
+        ranked = (partials, top_k, renormalize, scoring)
+    elif router_logits is None:
         from tandem.kernels.triton.routing import route_token_triton
         rank_here = not config.fp8_tma_ring_moe_rank  # else the logits alone, which the experts' programs rank
         routed, ids, xq, xs = route_token_triton(x, gate, top_k, renormalize, scoring, w13.dtype, norm_in, config.pdl,
@@ -414,36 +428,44 @@ def _sg_rows(bufs: tuple[torch.Tensor, torch.Tensor] | None, sg: torch.Tensor) -
 
 def fp8_linear_add_norm(x: torch.Tensor | QuantRows, w: torch.Tensor, w_scale: torch.Tensor,
                         block: tuple[int, int] | None, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                        config: KernelConfig = DEFAULT_KERNELS, quant: tuple[torch.dtype, int] | None = None
-                        ) -> PendingNorm | None:
+                        config: KernelConfig = DEFAULT_KERNELS, quant: tuple[torch.dtype, int] | None = None,
+                        router: tuple[torch.Tensor, tuple[torch.dtype, int]] | None = None) -> PendingNorm | None:
     """kernels.linear.linear_add_norm with an fp8 weight: x @ w.T + residual with the RMSNorm after
     it left pending, in one launch of the FP8 decode GEMM; None (nothing run) where that does not
     apply. x: [T, K] (QuantRows: on the TMA GEMM's ring form, tma_ring; SplitPartials: on the TMA GEMM, which
     merges them, takes_partials); w: [N, K] fp8; residual: [T, N]; norm_weight: [N]. quant: the next FP8 GEMM's
     (dtype, group) where it would quantize its input in a launch of its own (quant_ahead): the Gluon GEMMs then
-    write sg quantized too, the PendingNorm's quant (_sg_quant)."""
-    def gluon(run) -> PendingNorm:  # a Gluon GEMM, run(sg_quant buffers or None) -> (s, sg, ss)
-        bufs = _sg_quant(quant, *residual.shape, residual.device, config)
-        s, sg, ss = run(bufs)
-        return PendingNorm(s, sg, ss, norm_weight, eps, _sg_rows(bufs, sg))
+    write sg quantized too, the PendingNorm's quant (_sg_quant). router = (gate [E, N], the ring experts' (dtype,
+    group)) where the ring experts after route one token themselves (fold_router): on the TMA GEMM at one row
+    with sg quantized, the router GEMM's partials too, the PendingNorm's router (fp8_tma_linear's router)."""
+    def gluon(run, fold: bool = False) -> PendingNorm:  # a Gluon GEMM, run(sg_quant buffers, router) -> (s, sg, ss)
+        gate, spec = router if fold and router is not None and residual.shape[0] == 1 else (None, quant)
+        bufs = _sg_quant(spec, *residual.shape, residual.device, config)
+        plog = None
+        if gate is not None and bufs is not None:
+            plog = torch.empty(residual.shape[1] // 128, gate.shape[0], device=gate.device, dtype=torch.float32)
+        s, sg, ss = run(bufs, None if plog is None else (gate, plog))
+        return PendingNorm(s, sg, ss, norm_weight, eps, _sg_rows(bufs, sg), plog)
 
     if isinstance(x, SplitPartials):
         if not (takes_partials(x.rows, w, block, config) and norm_weight.dtype == residual.dtype == x.dtype):
             return None
         from tandem.kernels.triton.fp8_tma import fp8_tma_linear
-        return gluon(lambda b: fp8_tma_linear(x, w, w_scale, residual, norm_weight, pdl=config.pdl, sg_quant=b))
+        return gluon(lambda b, r: fp8_tma_linear(x, w, w_scale, residual, norm_weight, pdl=config.pdl, sg_quant=b,
+                                                 router=r), fold=True)
     if isinstance(x, QuantRows):
         if not (tma_ring(x.q, w, block, config) and x.group == block[1] and x.q.dtype == w.dtype
                 and norm_weight.dtype == residual.dtype == x.dtype and config.fuse_norms):
             return None
         from tandem.kernels.triton.fp8_tma import fp8_tma_ring_linear
-        return gluon(lambda b: fp8_tma_ring_linear(x.q, x.s, w, w_scale, x.dtype, residual, norm_weight,
-                                                   pdl=config.pdl, sg_quant=b))
+        return gluon(lambda b, _: fp8_tma_ring_linear(x.q, x.s, w, w_scale, x.dtype, residual, norm_weight,
+                                                      pdl=config.pdl, sg_quant=b))
     if not (_decode_tile(x, block, config) and norm_weight.dtype == residual.dtype == x.dtype):
         return None
     if _tma_gemm(x, w, block, config):
         from tandem.kernels.triton.fp8_tma import fp8_tma_linear
-        return gluon(lambda b: fp8_tma_linear(x, w, w_scale, residual, norm_weight, pdl=config.pdl, sg_quant=b))
+        return gluon(lambda b, r: fp8_tma_linear(x, w, w_scale, residual, norm_weight, pdl=config.pdl, sg_quant=b,
+                                                 router=r), fold=True)
     if fp8_decode_rows(x, block, config):
         from tandem.kernels.triton.linear import skinny_linear_add_norm_triton
         s, sg, ss = skinny_linear_add_norm_triton(x, w, residual, norm_weight, pdl=config.pdl, w_scale=w_scale,

@@ -65,13 +65,16 @@ class PendingNorm:
     """rms_norm(s) with `weight`, left for the next decode GEMM to apply (linear_normed): s is the
     residual stream, sg = s * weight (rounded) and ss [16, strips] float32 each strip's sums of
     squares of s's rows (kernels/triton/linear.py, NORM_OUT / NORM_IN). quant: sg quantized for the next FP8
-    GEMM (kernels.fp8.QuantRows), where the GEMM that left the norm pending wrote that too (fp8_sg_quant)."""
+    GEMM (kernels.fp8.QuantRows), where the GEMM that left the norm pending wrote that too (fp8_sg_quant). router:
+    the MoE router GEMM after, on sg, left in float32 partial sums over strips of 128 columns by that GEMM too
+    (KernelConfig.fp8_tma_ring_moe_fold), with quant the row for the ring experts' w13."""
     s: torch.Tensor
     sg: torch.Tensor
     ss: torch.Tensor
     weight: torch.Tensor
     eps: float
     quant: object = None  # kernels.fp8.QuantRows (which imports this module) or None
+    router: torch.Tensor | None = None  # the next router GEMM's partials [strips, E] (kernels.fp8.fp8_linear_add_norm)
 
     def normed(self, config: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
         """rms_norm(s), for a consumer that cannot apply the pending norm itself."""

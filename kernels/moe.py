@@ -67,6 +67,7 @@ def routed_experts(
     renormalize: bool, scoring: str = "softmax", norm_in: tuple[torch.Tensor, float] | None = None,
     norm_out: tuple[torch.Tensor, torch.Tensor] | None = None, config: KernelConfig = DEFAULT_KERNELS,
     scales: tuple | None = None, gate: torch.Tensor | None = None, quant: tuple[torch.dtype, int] | None = None,
+    ahead: tuple | None = None,
 ):
     """topk_routing then fused_experts, every expert held here (no expert parallelism); on a GPU
     at decode sizes the routing happens inside the first expert GEMM. GPU only: norm_in = (ss,
@@ -77,12 +78,13 @@ def routed_experts(
     the reference multiplies the dequantized weights. router_logits None: gate, the router weight, whose GEMM
     the ring's routing launch runs (the caller checked kernels.fp8.ring_experts and ring_router). quant (with
     norm_out, on the ring): the next FP8 GEMM's input (dtype, group), then also returned quantized: (s, sg, ss,
-    QuantRows) (kernels.fp8.routed_experts_ring)."""
+    QuantRows) (kernels.fp8.routed_experts_ring). ahead = (router partials, QuantRows) with gate and norm_in: the
+    GEMM ahead ran the router GEMM in partials and quantized x (kernels.linear.PendingNorm's router and quant)."""
     if use_triton(x):
         from tandem.kernels.fp8 import ring_experts, routed_experts_ring
         if gate is not None or (scales is not None and ring_experts(x, w13, w2, scales, top_k, config)):
             return routed_experts_ring(x, router_logits, w13, w2, top_k, renormalize, scoring, norm_in, norm_out,
-                                       scales, config, gate, quant)
+                                       scales, config, gate, quant, ahead)
         from tandem.kernels.triton.moe import routed_experts_triton
         return routed_experts_triton(x, router_logits, w13, w2, top_k, renormalize, scoring, norm_in, norm_out,
                                      config.pdl, scales, config.fp8_int_convert)

@@ -21,11 +21,11 @@ from tandem.engine.layers.linear import LinearBase
 from tandem.engine.layers.moe import FusedMoE
 from tandem.engine.parallel import tp_all_reduce, tp_rank, tp_size
 from tandem.engine.quantization import Fp8Scheme, fp8_scheme
-from tandem.engine.layers.norm import DeferredOutput, next_quant
+from tandem.engine.layers.norm import DeferredOutput, next_quant, next_router
 from tandem.kernels.ep import NoDispatch
-from tandem.kernels.fp8 import (E4M3, QuantRows, e4m3fn_to_fnuz, fp8_decode_rows, fp8_dtype, fp8_linear,
-                               fp8_linear_add_norm, fp8_linear_normed, fused_experts_fp8, quant_ahead, quantize_weight,
-                               ring_experts, ring_router, takes_partials, tma_early)
+from tandem.kernels.fp8 import (E4M3, QuantRows, e4m3fn_to_fnuz, fold_router, fp8_decode_rows, fp8_dtype,
+                               fp8_linear, fp8_linear_add_norm, fp8_linear_normed, fused_experts_fp8, quant_ahead,
+                               quantize_weight, ring_experts, ring_router, takes_partials, tma_early)
 from tandem.kernels.linear import PendingNorm
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class Fp8Linear:
         if not self._may_add_norm() or isinstance(x, PendingNorm):
             return None
         return fp8_linear_add_norm(x, self.weight, self.weight_scale, self.fp8_block, residual, norm.weight,
-                                   norm.eps, self.kernels, next_quant(norm, residual))
+                                   norm.eps, self.kernels, next_quant(norm, residual), next_router(norm, residual))
 
 
 class Fp8FusedMoE:
@@ -243,6 +243,15 @@ class Fp8FusedMoE:
             return w
         return None
 
+    def router_ahead(self, rows: torch.Tensor) -> tuple | None:
+        """(router weight, (dtype, group) of w13's input) where the GEMM producing this layer's input rows (one token
+        with this layer's norm pending) may run the router GEMM in partials and quantize the row for the ring
+        experts (kernels.fp8.fold_router), else None."""
+        w = self._gate_in_experts(rows)
+        if w is None or tp_size() > 1 or not fold_router(rows, w, self.kernels):
+            return None
+        return w, (self.w13.dtype, 128)
+
     @property
     def _expert_scales(self) -> tuple:
         return self.w13_scale, self.w2_scale, self.fp8_block
@@ -289,18 +298,22 @@ def link_quantized_inputs(model: nn.Module) -> int:
     layer's norms ahead of qkv_proj and a dense gate_up_proj, the attention ahead of o_proj, the MLP's
     activation ahead of down_proj) at that layer's quant_ahead, so it writes the rows quantized where the
     layer would quantize them in a launch of its own (engine/layers/norm.py), and the attention at the o
-    projection's tma_early (whether its split merge lets the o projection in early). Returns how many
-    quant_ahead links were made."""
+    projection's tma_early (whether its split merge lets the o projection in early), and the post-attention norm
+    ahead of FP8 MoE experts at their router_ahead (whether the o projection runs their router GEMM in partials).
+    Returns how many quant_ahead links were made."""
     linked = 0
     for m in model.modules():
         attn, mlp = getattr(m, "self_attn", None), getattr(m, "mlp", None)
         for producer, consumer in ((getattr(m, "input_layernorm", None), getattr(attn, "qkv_proj", None)),
                                    (getattr(m, "attn", None), getattr(m, "o_proj", None)),
                                    (getattr(m, "post_attention_layernorm", None), getattr(mlp, "gate_up_proj", None)),
+                                   (getattr(m, "post_attention_layernorm", None), mlp),
                                    (getattr(m, "act_fn", None), getattr(m, "down_proj", None))):
             if isinstance(consumer, Fp8Linear) and hasattr(producer, "quant_spec"):
                 producer.quant_spec = consumer.quant_ahead  # a bound method: not a submodule of the producer
                 linked += 1
+            if isinstance(consumer, Fp8FusedMoE) and hasattr(producer, "router_spec"):
+                producer.router_spec = consumer.router_ahead
             if isinstance(consumer, Fp8Linear) and hasattr(producer, "early_spec"):
                 producer.early_spec = consumer.tma_early
                 producer.partials_spec = consumer.takes_partials

@@ -142,9 +142,10 @@ class FusedMoE(nn.Module):
     def _routed(self, x: torch.Tensor | PendingNorm, logits: torch.Tensor | None, norm_out: tuple | None = None,
                 gate: torch.Tensor | None = None, quant: tuple | None = None):
         pending = isinstance(x, PendingNorm)
+        ahead = (x.router, x.quant) if pending and x.router is not None and gate is not None else None
         return routed_experts(x.sg if pending else x, logits, self.w13, self.w2, self.top_k, self.renormalize,
                               self.scoring, (x.ss, x.eps) if pending else None, norm_out, self.kernels,
-                              self._expert_scales, gate, quant)
+                              self._expert_scales, gate, quant, ahead)
 
     def _routed_add_norm(self, x: torch.Tensor | PendingNorm, logits: torch.Tensor | None, residual: torch.Tensor,
                          norm: RMSNorm, gate: torch.Tensor | None = None) -> PendingNorm | None:

@@ -59,12 +59,21 @@ def next_quant(norm: RMSNorm, rows: torch.Tensor) -> tuple[torch.dtype, int] | N
     return spec(rows) if spec is not None else None
 
 
+def next_router(norm: RMSNorm, rows: torch.Tensor) -> tuple | None:
+    """(router weight, (dtype, group)) where the ring experts after `norm` (linked by engine/layers/fp8.py) would
+    take their router GEMM in partials and their row quantized from the GEMM ahead that leaves `norm` pending
+    (kernels.fp8.fold_router), else None."""
+    spec = getattr(norm, "router_spec", None)
+    return spec(rows) if spec is not None else None
+
+
 class PendingRMSNorm(RMSNorm):
     """An RMSNorm between two GEMMs (a decoder layer's input and post-attention norms): when the
     layer ahead deferred its output and can carry the add and the norm, returns (PendingNorm,
     the new residual) for the next linear or MoE layer to apply; else what RMSNorm returns."""
 
     quant_spec: Callable[[torch.Tensor], tuple | None] | None = None  # the FP8 layer after's quant_ahead
+    router_spec: Callable[[torch.Tensor], tuple | None] | None = None  # the FP8 MoE after's router_ahead
 
     def forward(self, x: torch.Tensor | DeferredOutput, residual: torch.Tensor | None = None):
         if isinstance(x, DeferredOutput) and residual is not None:

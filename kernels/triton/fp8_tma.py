@@ -72,9 +72,14 @@ def _fp8_tma_kernel(w_desc, x_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, res_pt
                     TILES: gl.constexpr, SPLIT: gl.constexpr, NORM_OUT: gl.constexpr, PDL: gl.constexpr,
                     num_warps: gl.constexpr, BM_: gl.constexpr = 16, pacc_ptr=None, pml_ptr=None, seq_lens_ptr=None,
                     MERGE: gl.constexpr = 0, KV_BLOCK: gl.constexpr = 0, sq_ptr=None, sqs_ptr=None,
-                    QUANT_SG: gl.constexpr = False, trace_ptr=None, TRACE: gl.constexpr = False):
+                    QUANT_SG: gl.constexpr = False, trace_ptr=None, TRACE: gl.constexpr = False,
+                    router_ptr=None, plog_ptr=None, num_experts=0, ROUTER: gl.constexpr = False,
+                    E_PAD: gl.constexpr = 128):
     # TRACE (benchmarks.program_trace): each program stamps its start, the release of its PDL wait, when it found
-    # all of its weight landed (waited for apart from the dots, after x is staged) and its end
+    # all of its weight landed (waited for apart from the dots, after x is staged) and its end.
+    # ROUTER (with NORM_OUT, one token): the strip's finisher also writes the token's partial router logits over
+    # the strip's columns of sg (_router_partial); every program requests its share of the strip's router weight
+    # into L2 before the wait (_router_prefetch)
     BN_: gl.constexpr = w_desc.block_type.shape[0]
     BK_: gl.constexpr = w_desc.block_type.shape[1]
     KP: gl.constexpr = TILES * BK_
@@ -106,6 +111,8 @@ def _fp8_tma_kernel(w_desc, x_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, res_pt
     ctx = 0
     if MERGE > 0:
         ctx = gl.load(seq_lens_ptr)  # (step metadata)
+    if ROUTER:
+        _router_prefetch(router_ptr, n0, pid_k, N, num_experts, SPLIT, BN_, num_warps)
     if PDL:  # (kernels/triton/pdl.py's wait_previous)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -155,7 +162,8 @@ def _fp8_tma_kernel(w_desc, x_ptr, ws_ptr, out_ptr, part_ptr, ticket_ptr, res_pt
         mbarrier.invalidate(bars.index(i))
 
     _finish(acc, out_ptr, part_ptr, ticket_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, pid_k, N, stride_om,
-            stride_gm, SPLIT, NORM_OUT, sq_ptr, sqs_ptr, fp8_max, QUANT_SG)
+            stride_gm, SPLIT, NORM_OUT, sq_ptr, sqs_ptr, fp8_max, QUANT_SG, router_ptr, plog_ptr, num_experts,
+            ROUTER, E_PAD, num_warps)
     if TRACE:
         _stamp(trace_ptr, 3)
 
@@ -186,24 +194,71 @@ def _merged_head(pacc_ptr, pml_ptr, h, ctx, dtype: gl.constexpr, S: gl.constexpr
 
 @gluon.jit
 def _finish(acc, out_ptr, part_ptr, ticket_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, pid_k, N, stride_om,
-            stride_gm, SPLIT: gl.constexpr, NORM_OUT: gl.constexpr, sq_ptr, sqs_ptr, fp8_max, QUANT_SG: gl.constexpr):
+            stride_gm, SPLIT: gl.constexpr, NORM_OUT: gl.constexpr, sq_ptr, sqs_ptr, fp8_max, QUANT_SG: gl.constexpr,
+            router_ptr, plog_ptr, num_experts, ROUTER: gl.constexpr, E_PAD: gl.constexpr, num_warps: gl.constexpr):
     """A program's acc [BN, BM] (out.T over its K share) -> out: SPLIT > 1, float32 partials and a ticket, the
-    strip's last program sums them (kernels/triton/device.py); then _write_out."""
+    strip's last program sums them (kernels/triton/device.py); then _write_out, and with ROUTER _router_partial."""
     BM_: gl.constexpr = acc.shape[1]
     if SPLIT > 1:
         gl.store(part_ptr + (pid_k * BM_ + rm[None, :]) * N + rn[:, None], acc, mask=mask)
         CTA_BARRIER()  # every thread's partial is written before the ticket is taken
         if gl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            if ROUTER:  # requested with the partials below, not after sg's stores (which the loads would follow)
+                wr = _router_load(router_ptr, pid_n, N, num_experts, E_PAD, acc.shape[0], num_warps)
             total = gl.zeros_like(acc)
             for sp in gl.static_range(SPLIT):
                 total += gl.load(part_ptr + (sp * BM_ + rm[None, :]) * N + rn[:, None], mask=mask, other=0.0,
                                  cache_modifier=".cg")
-            _write_out(total, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_om, stride_gm, NORM_OUT,
-                       sq_ptr, sqs_ptr, fp8_max, QUANT_SG)
+            sgv = _write_out(total, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_om, stride_gm,
+                             NORM_OUT, sq_ptr, sqs_ptr, fp8_max, QUANT_SG)
+            if ROUTER:
+                _router_partial(sgv, rm, wr, plog_ptr, pid_n, num_experts)
             gl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
-        _write_out(acc, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_om, stride_gm, NORM_OUT, sq_ptr,
-                   sqs_ptr, fp8_max, QUANT_SG)
+        if ROUTER:
+            wr = _router_load(router_ptr, pid_n, N, num_experts, E_PAD, acc.shape[0], num_warps)
+        sgv = _write_out(acc, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_om, stride_gm, NORM_OUT,
+                         sq_ptr, sqs_ptr, fp8_max, QUANT_SG)
+        if ROUTER:
+            _router_partial(sgv, rm, wr, plog_ptr, pid_n, num_experts)
+
+
+@gluon.jit
+def _router_prefetch(router_ptr, n0, pid_k, N, num_experts, SPLIT: gl.constexpr, BN_: gl.constexpr,
+                     num_warps: gl.constexpr):
+    """ROUTER: the strip's columns n0.. of the router weight [E, N] (bf16/fp16: BN_ * 2 bytes a row, two 128-byte
+    lines at BN_ 128) requested into L2 (prefetch.global.L2), each of the strip's SPLIT programs every SPLIT-th
+    line from its pid_k; nothing waits for them."""
+    LINE: gl.constexpr = 128 // 2  # elements a line
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    PER: gl.constexpr = BN_ // LINE  # lines a router row's strip
+    i = gl.arange(0, 32 * num_warps, layout=lay)
+    line = gl.minimum(pid_k + i * SPLIT, num_experts * PER - 1)
+    ptrs = router_ptr + (line // PER) * N + n0 + line % PER * LINE
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _router_load(router_ptr, pid_n, N, num_experts, E_PAD: gl.constexpr, BN_: gl.constexpr, num_warps: gl.constexpr):
+    """ROUTER: the strip's BN_ columns of the router weight [E, N], every expert's at once ([E_PAD, BN_], rows past
+    E zeros), for _router_partial."""
+    wl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    e = gl.arange(0, E_PAD, layout=gl.SliceLayout(1, wl))
+    c = pid_n * BN_ + gl.arange(0, BN_, layout=gl.SliceLayout(0, wl))
+    return gl.load(router_ptr + e[:, None] * N + c[None, :], mask=(e < num_experts)[:, None], other=0.0)
+
+
+@gluon.jit
+def _router_partial(sgv, rm, wr, plog_ptr, pid_n, num_experts):
+    """ROUTER: the token's (row 0's) sg over the strip's BN columns, sgv [BN, BM] as written, against those columns
+    of the router weight (wr, _router_load) -> plog[pid_n, :E] float32, the strip's share of the router GEMM (the
+    pending norm's 1/rms not applied; the experts' ranking sums the strips, _ranked_expert)."""
+    xcol = gl.sum(gl.where((rm == 0)[None, :], sgv.to(gl.float32), 0.0), axis=1)
+    xv = gl.convert_layout(xcol, gl.SliceLayout(0, wr.type.layout))
+    e = gl.arange(0, wr.shape[0], layout=gl.SliceLayout(1, wr.type.layout))
+    gl.store(plog_ptr + pid_n * num_experts + e, gl.sum(wr.to(gl.float32) * xv[None, :], axis=1),
+             mask=e < num_experts)
 
 
 @gluon.jit
@@ -217,7 +272,9 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
                          fp8_max=1.0, sq_ptr=None, sqs_ptr=None, QUANT_SG: gl.constexpr = False,
                          num_experts=1, RANK: gl.constexpr = False, E_PAD: gl.constexpr = 32,
                          TOP_K: gl.constexpr = 1, SOFTMAX: gl.constexpr = True, RENORMALIZE: gl.constexpr = False,
-                         trace_ptr=None, TRACE: gl.constexpr = False, LATE_DEPENDENTS: gl.constexpr = False):
+                         trace_ptr=None, TRACE: gl.constexpr = False, LATE_DEPENDENTS: gl.constexpr = False,
+                         R_STRIPS: gl.constexpr = 0, rss_ptr=None, r_eps=0.0, R_SPAD: gl.constexpr = 1,
+                         R_EXACT: gl.constexpr = False):
     """The ring form (fp8_tma_ring_linear): x quantized ahead (fp8 rows by TMA, their scales xs [M, K / 128]),
     TILES K tiles a program through STAGES shared-memory stages of a weight tile and its x tile, one mbarrier a
     stage; the first STAGES weight tiles requested before the wait, a stage refilled with the tile STAGES ahead
@@ -237,7 +294,9 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     last of them sums both, a 128-column group of the activation (_silu_out).
     RANK (with EXPERT_STRIPS or EXPERT_SHARES): ids_ptr holds the token's router logits [num_experts] float32,
     not its ids: each program ranks them itself (_ranked_expert) for its pair's expert and routing weight, so the
-    routing launch ahead takes no ticket.
+    routing launch ahead takes no ticket. R_STRIPS > 0 (with RANK): ids_ptr holds the router GEMM's partials
+    [R_STRIPS, num_experts] left by the o projection ahead (fp8_tma_linear's ROUTER), rss_ptr the pending norm's
+    sums of squares, r_eps its eps (_ranked_expert), so no routing launch runs.
     TRACE (benchmarks.program_trace): the program's start, its wait's release, its first stages requested (with
     EXPERT_LATE after the ranking; slot 5), its first stage landed and its end stamped (_stamp).
     LATE_DEPENDENTS (a RING_PLANS key): the launch after this one is let in (launch_dependents) only once the program
@@ -265,7 +324,7 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     if EXPERT_STRIPS > 0:
         if RANK:
             expert, _ = _ranked_expert(ids_ptr, num_experts, pid_n // EXPERT_STRIPS, E_PAD, TOP_K, SOFTMAX,
-                                       RENORMALIZE, num_warps)
+                                       RENORMALIZE, num_warps, R_STRIPS, rss_ptr, r_eps, R_SPAD, out_ptr, R_EXACT)
         else:
             expert = gl.load(ids_ptr + pid_n // EXPERT_STRIPS)
         w_row = expert * EXPERT_STRIPS + pid_n % EXPERT_STRIPS
@@ -274,7 +333,7 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
         x_row = pid_k // EXPERT_SHARES
         if RANK:
             expert, pair_w = _ranked_expert(ids_ptr, num_experts, x_row, E_PAD, TOP_K, SOFTMAX, RENORMALIZE,
-                                            num_warps)
+                                            num_warps, R_STRIPS, rss_ptr, r_eps, R_SPAD, out_ptr, R_EXACT)
         else:
             expert = gl.load(ids_ptr + x_row)
             pair_w = gl.load(topk_w_ptr + x_row)
@@ -360,21 +419,38 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
                   EXPERT_STRIPS, SPLIT)
     else:
         _finish(acc, out_ptr, part_ptr, ticket_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, pid_k, N, stride_om,
-                stride_gm, SPLIT, NORM_OUT, sq_ptr, sqs_ptr, fp8_max, QUANT_SG)
+                stride_gm, SPLIT, NORM_OUT, sq_ptr, sqs_ptr, fp8_max, QUANT_SG, None, None, 0, False, 32, num_warps)
     if TRACE:
         _stamp(trace_ptr, 3)
 
 
 @gluon.jit
 def _ranked_expert(logits_ptr, num_experts, slot, E_PAD: gl.constexpr, TOP_K: gl.constexpr, SOFTMAX: gl.constexpr,
-                   RENORMALIZE: gl.constexpr, num_warps: gl.constexpr):
+                   RENORMALIZE: gl.constexpr, num_warps: gl.constexpr, R_STRIPS: gl.constexpr = 0, ss_ptr=None,
+                   eps=0.0, S_PAD: gl.constexpr = 1, round_ptr=None, R_EXACT: gl.constexpr = False):
     """(expert id, routing weight) of top-k slot `slot` of one token's router logits [num_experts] float32: the
     scores, keys and rounds of kernels/triton/routing.py's topk_of_rows (ties to the lower id), every warp holding
-    all E_PAD logits (its reductions stay within the warp)."""
+    all E_PAD logits (its reductions stay within the warp). R_STRIPS > 0: logits_ptr holds the router GEMM's
+    partial sums [R_STRIPS, num_experts] over strips of 128 columns of a pending norm's sg (the o projection's
+    ROUTER), summed here, scaled by the norm's 1/rms from ss_ptr's row 0 [R_STRIPS] (eps) and rounded to
+    round_ptr's dtype, as route_token_triton writes the logits; R_EXACT (num_experts == E_PAD): read unmasked, four
+    floats a load."""
     lay: gl.constexpr = gl.BlockedLayout([E_PAD // 32], [32], [num_warps], [0])
     ex = gl.arange(0, E_PAD, layout=lay)
     ok = ex < num_experts
-    x = gl.load(logits_ptr + ex, mask=ok, other=float("-inf"))
+    if R_STRIPS > 0:
+        sp = gl.arange(0, S_PAD, layout=lay)
+        ss = gl.load(ss_ptr + sp, mask=sp < R_STRIPS, other=0.0)
+        x = gl.zeros([E_PAD], gl.float32, lay)
+        for st in gl.static_range(R_STRIPS):
+            if R_EXACT:
+                x += gl.load(logits_ptr + st * E_PAD + ex)
+            else:
+                x += gl.load(logits_ptr + st * num_experts + ex, mask=ok, other=0.0)
+        x *= gl.rsqrt(gl.sum(ss, axis=0) / (R_STRIPS * 128) + eps)
+        x = gl.where(ok, x.to(round_ptr.dtype.element_ty).to(gl.float32), float("-inf"))
+    else:
+        x = gl.load(logits_ptr + ex, mask=ok, other=float("-inf"))
     if SOFTMAX:
         p = gl.exp(x - gl.max(x, axis=0))
         scores = p / gl.sum(p, axis=0)
@@ -444,7 +520,8 @@ def _write_out(acc, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_o
     rounded, and the strip's sums of squares of s's rows at ss [BM, strips] (kernels/triton/linear.py's
     pend_norm). QUANT_SG (with NORM_OUT): sg's rows also quantized as one group of the strip's BN columns, as
     quantize_rows_triton quantizes them (sq [M, N] fp8 with sg's row stride, sqs [BM, strips] float32; rows past
-    M: scale 1e-12), the next FP8 GEMM's input with the norm still pending (kernels.fp8.fp8_linear_normed)."""
+    M: scale 1e-12), the next FP8 GEMM's input with the norm still pending (kernels.fp8.fp8_linear_normed).
+    Returns sg as written (NORM_OUT), else out."""
     y = acc.to(out_ptr.dtype.element_ty)
     out_ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
     if NORM_OUT:
@@ -462,6 +539,8 @@ def _write_out(acc, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_o
             gl.store(sqs_ptr + rm * gl.num_programs(0) + pid_n, sc)
     else:
         gl.store(out_ptrs, y, mask=mask)
+        sgv = y
+    return sgv
 
 
 SMEM_PER_SM = 227 * 1024
@@ -531,7 +610,8 @@ def _w_desc(w: torch.Tensor) -> TensorDescriptor:
 
 def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, residual: torch.Tensor | None = None,
                    norm_weight: torch.Tensor | None = None, pdl: bool = True, split: int | None = None,
-                   sg_quant: tuple[torch.Tensor, torch.Tensor] | None = None, trace: list | None = None
+                   sg_quant: tuple[torch.Tensor, torch.Tensor] | None = None, trace: list | None = None,
+                   router: tuple[torch.Tensor, torch.Tensor] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """kernels.fp8.fp8_linear_ref for x [M <= 16, K] bf16/fp16, w [N, K] e4m3 with w_scale [N / 128, K / 128]
     (supports()). With residual [M, N] and norm_weight [N]: (s = x @ w.T + residual, sg = s * norm_weight,
@@ -541,7 +621,10 @@ def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, resi
     heads itself (MERGE), so no merge launch runs between the attention and this GEMM. sg_quant (with residual;
     sg_quant_buffers): sg also written quantized there (QUANT_SG). trace: a list this launch appends ("tma_gemm", its
     program clocks) to, int64 [N / 128 * split, 8], program (pid_n, pid_k) at row pid_n * split + pid_k, columns 0-4
-    written by every launch (kernels/triton/trace.py; _stamp; benchmarks.program_trace reads them)."""
+    written by every launch (kernels/triton/trace.py; _stamp; benchmarks.program_trace reads them). router = (gate
+    [E, N] in x's dtype, plog [N / 128, E] float32), with residual and one row: each strip's share of the router
+    GEMM sg @ gate.T written to plog (ROUTER; the pending norm's 1/rms not applied), which the experts' ring sums
+    and ranks (fp8_tma_ring_experts' ranked partials), so no routing launch runs between."""
     parts = x if isinstance(x, SplitPartials) else None
     if parts is not None:
         if parts.acc.shape[-1] != BK or parts.acc.shape[0] != 1:
@@ -560,6 +643,16 @@ def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, resi
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     res, g = (residual, norm_weight) if norm else (out, out)
     w_scale = w_scale.contiguous()
+    route = {}
+    if router is not None:
+        gate, plog = router
+        e = gate.shape[0]
+        if not (norm and m == 1 and gate.shape == (e, n) and gate.dtype == x.dtype and gate.is_contiguous()
+                and plog.shape == (n // BN, e) and plog.dtype == torch.float32):
+            raise ValueError(f"fp8_tma_linear: router needs the residual, one row, a contiguous gate [E, {n}] in "
+                             f"{x.dtype} and plog [{n // BN}, E] float32")
+        route = dict(router_ptr=gate, plog_ptr=plog, num_experts=e, ROUTER=True,
+                     E_PAD=max(32, triton.next_power_of_2(e)))
     _fp8_tma_kernel[(n // BN, split)](
         _w_desc(w), out if parts is not None else x, w_scale, out, part, tickets(x.device), res, g, sg, ss, m, n,
         0 if parts is not None else x.stride(0), w_scale.stride(0),
@@ -567,7 +660,7 @@ def fp8_tma_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, resi
         SPLIT=split, NORM_OUT=norm, num_warps=4, BM_=rows_for(m, n, k),
         **(dict(pacc_ptr=parts.acc, pml_ptr=parts.ml, seq_lens_ptr=parts.seq_lens, MERGE=parts.acc.shape[2],
                 KV_BLOCK=parts.block_n) if parts is not None else {}), **_sg_quant_args(sg_quant, norm),
-        **trace_args(trace, "tma_gemm", n // BN * split, x.device), **launch_args(out, pdl))
+        **trace_args(trace, "tma_gemm", n // BN * split, x.device), **route, **launch_args(out, pdl))
     return out, sg, ss
 
 
@@ -734,8 +827,10 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
     ms (benchmarks/RESULTS.md). -> (out [1, H] in dtype, sg, ss) as fp8_tma_ring_linear (residual and norm_weight:
     NORM_OUT; sg_quant: as fp8_tma_linear's). ranked = (logits [E] float32, top_k, renormalize, scoring), with
     ids and topk_w None and ids_late: the router's logits from the launch just ahead (route_token_triton with rank
-    False), which every program of both launches ranks itself (RANK). trace: as fp8_tma_ring_linear's, the launches
-    named "w13" and "w2"."""
+    False), which every program of both launches ranks itself (RANK); logits [S, E] (with norm_in): the router
+    GEMM's partials over S strips of x's columns, left by the o projection ahead (fp8_tma_linear's router), which
+    the programs sum and scale by the pending norm's 1/rms before ranking (R_STRIPS). trace: as
+    fp8_tma_ring_linear's, the launches named "w13" and "w2"."""
     from tandem.kernels.triton.activation import silu_and_mul_quant_triton
     e, two_i, h = w13.shape
     dev = xq.device
@@ -747,6 +842,13 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
         ids = topk_w = logits
         rank = dict(num_experts=e, RANK=True, E_PAD=max(32, triton.next_power_of_2(e)), TOP_K=top_k,
                     SOFTMAX=scoring == "softmax", RENORMALIZE=renormalize)
+        if logits.dim() == 2:  # partials [S, E] over strips of 128 of the pending norm's sg
+            strips = logits.shape[0]
+            if norm_in is None or logits.shape[1] != e or strips * BK != h or norm_in[0].shape[1] != strips:
+                raise ValueError(f"fp8_tma_ring_experts: router partials [{h // BK}, {e}] need the pending norm "
+                                 f"ahead (norm_in), got {tuple(logits.shape)}")
+            rank.update(R_STRIPS=strips, rss_ptr=norm_in[0], r_eps=norm_in[1], R_SPAD=triton.next_power_of_2(strips),
+                        R_EXACT=e == rank["E_PAD"])
     else:
         top_k, rank = ids.shape[-1], {}
     inter = two_i // 2

@@ -150,23 +150,27 @@ def test_fp8_tma_o_projection_gpu(tmp_path, monkeypatch, ring):
     assert tokens[False] == tokens[True]
 
 
-def test_fp8_ring_experts_gpu(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fold", [False, True])
+def test_fp8_ring_experts_gpu(tmp_path, monkeypatch, fold):
     """--fp8-tma-ring-moe (kernels/triton/fp8_tma.py fp8_tma_ring_experts) on a two-layer Qwen3-MoE with
     Qwen3-30B-A3B's expert shapes (hidden 2048, 768 an expert, top 8; 16 experts) and (128, 128) blocks, in 1-row
     decode steps: every decode step's logprob of the token it chose, in CUDA graphs and eager, against HF on the
     dequantized weights fed the same tokens; the graphs' tokens equal eager's; eager decode ran the ring experts,
     and over the 300-token prompt (contexts the attention splits) the o projection's TMA GEMM merging the
-    attention's split-K partials (--fp8-tma-merge: its 8 MiB weight is not let in early)."""
+    attention's split-K partials (--fp8-tma-merge: its 8 MiB weight is not let in early); fold
+    (--fp8-tma-ring-moe-fold): that GEMM also wrote the router GEMM's partials in every 1-row step, so no routing
+    launch ran in those steps."""
     import transformers
 
     from tandem.kernels.linear import SplitPartials
-    from tandem.kernels.triton import fp8_tma
+    from tandem.kernels.triton import fp8_tma, routing
     fp8_gpu_dtype()
-    calls, merged = [], []
-    launch, o_launch = fp8_tma.fp8_tma_ring_experts, fp8_tma.fp8_tma_linear
+    calls, merged, routes, folded = [], [], [], []
+    launch, o_launch, route = fp8_tma.fp8_tma_ring_experts, fp8_tma.fp8_tma_linear, routing.route_token_triton
     monkeypatch.setattr(fp8_tma, "fp8_tma_ring_experts", lambda *a, **k: calls.append(1) or launch(*a, **k))
-    monkeypatch.setattr(fp8_tma, "fp8_tma_linear",
-                        lambda x, *a, **k: merged.append(isinstance(x, SplitPartials)) or o_launch(x, *a, **k))
+    monkeypatch.setattr(fp8_tma, "fp8_tma_linear", lambda x, *a, **k: merged.append(isinstance(x, SplitPartials))
+                        or folded.append(k.get("router") is not None) or o_launch(x, *a, **k))
+    monkeypatch.setattr(routing, "route_token_triton", lambda *a, **k: routes.append(1) or route(*a, **k))
     prompts = PROMPTS + [[int(t) for t in torch.randint(3, 300, (300,), generator=torch.Generator().manual_seed(5))]]
     cfg = transformers.Qwen3MoeConfig(vocab_size=320, hidden_size=2048, num_hidden_layers=2, num_attention_heads=32,
                                       num_key_value_heads=4, head_dim=128, intermediate_size=768,
@@ -182,10 +186,12 @@ def test_fp8_ring_experts_gpu(tmp_path, monkeypatch):
     for eager in (True, False):
         llm = LLM(str(tmp_path / "fp8"), device="cuda", compile_ahead=False, dtype="bfloat16", block_size=16,
                   kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False, enforce_eager=eager,
-                  max_model_len=512, max_num_seqs=1, max_num_batched_tokens=512)
-        calls.clear(), merged.clear()
+                  max_model_len=512, max_num_seqs=1, max_num_batched_tokens=512, fp8_tma_ring_moe_fold=fold)
+        calls.clear(), merged.clear(), routes.clear(), folded.clear()
         outs = llm.generate(prompts, params)
         assert (calls and any(merged)) or not eager  # (graphs captured the launches at start-up)
+        # fold: the steps whose o projection merges the partials route in it, the others in a routing launch
+        assert not eager or (any(folded) == fold and (len(routes) < len(calls)) == fold)
         tokens[eager] = [o.token_ids for o in outs]
         _assert_decode_logprobs(ref, prompts, outs, eager)
     assert tokens[False] == tokens[True]

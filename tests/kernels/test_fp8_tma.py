@@ -68,7 +68,7 @@ def test_early_only_where_the_o_weight_outlasts_the_merge(monkeypatch):
 
 
 def _compile(tiles: int, split: int, norm: bool, pdl: bool, rows: int = 16, merge: int = 0, quant_sg: bool = False,
-             trace: bool = False):
+             trace: bool = False, router: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -77,10 +77,10 @@ def _compile(tiles: int, split: int, norm: bool, pdl: bool, rows: int = 16, merg
     w = torch.empty(4096, 4096, dtype=torch.float8_e4m3fn)
     ptrs = dict(x_ptr="*bf16", ws_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32", res_ptr="*bf16",
                 g_ptr="*bf16", sg_ptr="*bf16", ss_ptr="*fp32", pacc_ptr="*fp32", pml_ptr="*fp32", seq_lens_ptr="*i32",
-                sq_ptr="*fp8e4nv", sqs_ptr="*fp32", trace_ptr="*i64")
-    ints = ("M", "N", "stride_xm", "stride_ws", "stride_om", "stride_rm", "stride_gm")
+                sq_ptr="*fp8e4nv", sqs_ptr="*fp32", trace_ptr="*i64", router_ptr="*bf16", plog_ptr="*fp32")
+    ints = ("M", "N", "stride_xm", "stride_ws", "stride_om", "stride_rm", "stride_gm", "num_experts")
     consts = dict(TILES=tiles, SPLIT=split, NORM_OUT=norm, PDL=pdl, num_warps=4, BM_=rows, MERGE=merge,
-                  KV_BLOCK=128, QUANT_SG=quant_sg, TRACE=trace)
+                  KV_BLOCK=128, QUANT_SG=quant_sg, TRACE=trace, ROUTER=router, E_PAD=128)
     sig = {"w_desc": _w_desc(w).__mangle__(), **ptrs, **{n: "i32" for n in ints}, "fp8_max": "fp32",
            **{n: "constexpr" for n in consts}}
     return triton.compile(GluonASTSource(_fp8_tma_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
@@ -289,7 +289,7 @@ def test_w2_plan(monkeypatch):
 
 def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: bool, pdl: bool = True,
                   strips: int = 0, shares: int = 0, late: bool = False, silu: bool = False, quant_sg: bool = False,
-                  rank: bool = False, trace: bool = False, late_dependents: bool = False):
+                  rank: bool = False, trace: bool = False, late_dependents: bool = False, r_strips: int = 0):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -307,11 +307,13 @@ def _compile_ring(tiles: int, stages: int, split: int, norm_out: bool, norm_in: 
                   NORM_IN=norm_in, S_PAD=32, PDL=pdl, num_warps=4, EXPERT_STRIPS=strips, EXPERT_SHARES=shares,
                   EXPERT_LATE=late, SILU_OUT=silu, QUANT_SG=quant_sg, TRACE=trace, LATE_DEPENDENTS=late_dependents)
     # RANK: Qwen3-30B-A3B's routing (128 experts, top 8, softmax, renormalized)
-    consts.update(RANK=rank, E_PAD=128, TOP_K=8, SOFTMAX=True, RENORMALIZE=True)
+    consts.update(RANK=rank, E_PAD=128, TOP_K=8, SOFTMAX=True, RENORMALIZE=True, R_STRIPS=r_strips, R_SPAD=16,
+                  R_EXACT=r_strips > 0)
     sig = {"w_desc": _w_desc(w).__mangle__(), "x_desc": x_desc.__mangle__(), **ptrs, **{n: "i32" for n in ints},
            "eps": "fp32", "ids_ptr": "*fp32" if rank else "*i32", "topk_w_ptr": "*fp32",
            **{n: "constexpr" for n in consts}, "aq_ptr": "*fp8e4nv", "as_ptr": "*fp32", "fp8_max": "fp32",
-           "sq_ptr": "*fp8e4nv", "sqs_ptr": "*fp32", "num_experts": "i32", "trace_ptr": "*i64"}
+           "sq_ptr": "*fp8e4nv", "sqs_ptr": "*fp32", "num_experts": "i32", "trace_ptr": "*i64", "rss_ptr": "*fp32",
+           "r_eps": "fp32"}
     return triton.compile(GluonASTSource(_fp8_tma_ring_kernel, sig, constexprs=consts),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
@@ -440,6 +442,38 @@ def test_ring_experts_rank_the_logits_themselves(strips, shares):
     assert ranked.count("redux.sync.max") >= plain.count("redux.sync.max") + 2 * 8
     assert ranked.count("atom.") == plain.count("atom.")  # the ring's own tickets only
     assert ranked.count("bar.sync") == plain.count("bar.sync")  # no cross-warp reduction added
+
+
+@pytest.mark.parametrize("strips,shares", [(12, 0), (0, 1)])
+def test_ring_experts_rank_the_router_partials(strips, shares):
+    """R_STRIPS (KernelConfig.fp8_tma_ring_moe_fold): w13 and w2 read the o projection's 16 strips' router partials
+    and the pending norm's sums of squares (w13 after its wait, w2 before), scale by the 1/rms and round to bf16,
+    all ahead of the first weight copy whose row the ranking picks; no ticket or cross-warp reduction added."""
+    tiles = 8 if strips else 6
+    stages = min(6, tiles) if strips else 4
+    args = (tiles, stages, 2 if strips else 8 * shares, bool(shares), bool(strips))
+    kw = dict(strips=strips, shares=shares, late=bool(strips), rank=True)
+    folded, ranked = (_compile_ring(*args, r_strips=r, **kw).asm["ptx"] for r in (16, 0))
+    wait, first_copy = folded.index("griddepcontrol.wait"), folded.index("cp.async.bulk.tensor")
+    loads = [i for i in _at(folded, "ld.global") if i < first_copy]
+    assert all((i > wait) == bool(strips) for i in loads)
+    assert len(loads) > len([i for i in _at(ranked, "ld.global") if i < ranked.index("cp.async.bulk.tensor")])
+    assert "rsqrt.approx" in folded and "cvt.rn.bf16.f32" in folded
+    assert folded.count("atom.") == ranked.count("atom.") and folded.count("bar.sync") == ranked.count("bar.sync")
+
+
+def test_o_projection_writes_router_partials_only_where_asked():
+    """ROUTER (KernelConfig.fp8_tma_ring_moe_fold): the TMA GEMM with NORM_OUT prefetches the strip's router weight
+    lines into L2 before its PDL wait (every weight tile still requested ahead of them), and its strip's last
+    program stores the router partials after sg; without ROUTER neither."""
+    folded = _compile(2, 32, True, pdl=True, rows=8, quant_sg=True, router=True).asm["ptx"]
+    plain = _compile(2, 32, True, pdl=True, rows=8, quant_sg=True).asm["ptx"]
+    wait = folded.index("griddepcontrol.wait")
+    prefetch = _at(folded, "prefetch.global.L2")
+    assert prefetch and max(prefetch) < wait and max(_at(folded, "cp.async.bulk.tensor")) < min(prefetch)
+    assert "prefetch.global.L2" not in plain
+    assert folded.count("st.global") > plain.count("st.global")
+    assert folded.count("atom.") == plain.count("atom.")  # the strip's one ticket
 
 
 @pytest.mark.parametrize("form", ["tma", "ring", "w2"])
@@ -770,3 +804,100 @@ def test_sg_quant_buffers_only_where_the_next_gemm_takes_them():
                          ((e4m3, 128), KernelConfig(fp8_tma_ring_normed=False)),
                          ((e4m3, 64), KernelConfig()), (None, KernelConfig())):
         assert _sg_quant(spec, 1, 2048, cpu, config) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e,top_k,renorm,scoring", [(128, 8, True, "softmax"), (16, 4, False, "sigmoid")])
+def test_o_router_partials_route_as_the_routing_launch_gpu(e, top_k, renorm, scoring):
+    """KernelConfig.fp8_tma_ring_moe_fold: the TMA o projection (Qwen3-30B-A3B's, 2048 x 4096, one token) with a
+    pending norm out writes each strip's router partials (against torch on its sg, float32 sums) and leaves s, sg,
+    ss and sg's codes as without them; the ring experts ranking the partials (no routing launch) against the
+    routing launch on the same sg (the same experts: outputs to float32 rounding), twice (nothing left over), and
+    against the FP8 experts' reference on torch's routing."""
+    g, w, ws, x = hopper_block_case(1, 2048, 4096)
+    from tandem.kernels import KernelConfig
+    from tandem.kernels.fp8 import QuantRows, fused_experts_fp8_ref, quantize_weight, ring_experts
+    from tandem.kernels.moe import routed_experts, topk_routing_ref
+    from tandem.kernels.triton.device import tickets
+    from tandem.kernels.triton.fp8_tma import fp8_tma_linear, sg_quant_buffers
+    dev, h, inter, eps = "cuda", 2048, 768, 1e-6
+    residual = torch.randn(1, h, device=dev, dtype=torch.bfloat16, generator=g)
+    norm_w = (1 + 0.1 * torch.randn(h, device=dev, generator=g)).to(torch.bfloat16)
+    gate = (torch.randn(e, h, device=dev, generator=g) / h**0.5).to(torch.bfloat16)
+    plog = torch.full((h // 128, e), float("nan"), device=dev)
+    bufs, plain_bufs = sg_quant_buffers(1, h, dev), sg_quant_buffers(1, h, dev)
+    s, sg, ss = fp8_tma_linear(x, w, ws, residual, norm_w, sg_quant=bufs, router=(gate, plog))
+    plain = fp8_tma_linear(x, w, ws, residual, norm_w, sg_quant=plain_bufs)
+    for got, want in zip((s, sg, ss[0], *bufs), (*plain[:2], plain[2][0], *plain_bufs)):
+        assert torch.equal(got[:1].float(), want[:1].float())
+    want = torch.einsum("jc,ejc->je", sg.float().view(h // 128, 128), gate.float().view(e, h // 128, 128))
+    torch.testing.assert_close(plog, want, rtol=1e-5, atol=1e-5)
+
+    w13, s13 = quantize_weight(torch.randn(e * 2 * inter, h, device=dev, generator=g) * 0.05, block=(128, 128))
+    w2, s2 = quantize_weight(torch.randn(e * h, inter, device=dev, generator=g) * 0.05, block=(128, 128))
+    w13, s13, w2, s2 = (t.view(e, -1, t.shape[-1]) for t in (w13, s13, w2, s2))
+    scales = (s13, s2, (128, 128))
+    assert ring_experts(sg, w13, w2, scales, top_k)
+    rstd = torch.rsqrt(ss[0].sum() / h + eps)
+    logits = ((sg.float() @ gate.float().t()) * rstd).to(torch.bfloat16)
+    weights, ids = topk_routing_ref(logits, top_k, renorm, scoring)
+    ref = fused_experts_fp8_ref((sg.float() * rstd).to(torch.bfloat16), w13, s13, w2, s2, weights, ids,
+                                (128, 128)).float()
+    args = (sg, None, w13, w2, top_k, renorm, scoring)
+    kw = dict(norm_in=(ss, eps), scales=scales, gate=gate)
+    fold = KernelConfig(fp8_tma_ring_moe_fold=True)
+    rows = QuantRows(bufs[0], bufs[1][:1], 128, sg.dtype)
+    outs = [routed_experts(*args, config=fold, ahead=(plog, rows), **kw).float() for _ in range(2)]
+    launched = routed_experts(*args, config=KernelConfig(), **kw).float()
+    assert torch.equal(outs[0], outs[1])
+    assert ((outs[0] - launched).norm() / launched.norm()).item() < 1e-3
+    # the reference quantizes x * 1/rms (not exactly 1/2 here), the kernels x: other codes, hence the looser bound
+    # (wrong experts would be far off)
+    assert ((outs[0] - ref).norm() / ref.norm()).item() < 6e-2
+    assert not tickets(x.device).any()
+
+
+def test_fold_router_wiring(monkeypatch):
+    """kernels.fp8 on such a GPU (stood in for: CPU, the Gluon launches recorded): fp8_linear_add_norm with a router
+    hands the o projection's TMA GEMM the gate and a partials buffer [strips, E] with sg's quantization buffers at
+    one row, and the PendingNorm carries both; with the field off or two rows, fold_router says no; the ring experts
+    with those partials ahead rank them without a routing launch (w13 waiting for the o launch, EXPERT_LATE)."""
+    from tandem.kernels import KernelConfig, fp8
+    from tandem.kernels.linear import PendingNorm
+    from tandem.kernels.triton import fp8_tma, routing
+    monkeypatch.setattr(fp8, "_tma_device", lambda x: True)
+    h, e = 2048, 128
+    x = torch.zeros(1, 4096, dtype=torch.bfloat16)
+    w = torch.zeros(h, 4096, dtype=fp8.E4M3)
+    gate = torch.zeros(e, h, dtype=torch.bfloat16)
+    residual, norm_w = torch.zeros(1, h, dtype=torch.bfloat16), torch.ones(h, dtype=torch.bfloat16)
+    on, off = KernelConfig(fp8_tma_ring_moe_fold=True), KernelConfig()
+    assert fp8.fold_router(residual, gate, on) and not fp8.fold_router(residual, gate, off)
+    assert not fp8.fold_router(residual.expand(2, -1), gate, on)
+    assert not fp8.fold_router(residual, gate, KernelConfig(fp8_tma_ring_moe_fold=True, fp8_tma_ring_moe_rank=False))
+    calls = []
+
+    def tma_linear(x, w, w_scale, residual, norm_weight, pdl=True, sg_quant=None, router=None):
+        calls.append((sg_quant, router))
+        return residual.clone(), residual.clone(), torch.zeros(16, h // 128)
+    monkeypatch.setattr(fp8_tma, "fp8_tma_linear", tma_linear)
+    monkeypatch.setattr(fp8, "_tma_gemm", lambda *a: True)
+    monkeypatch.setattr(fp8, "_decode_tile", lambda *a: True)
+    p = fp8.fp8_linear_add_norm(x, w, torch.ones(h // 128, 32), (128, 128), residual, norm_w, 1e-6, on,
+                                router=(gate, (fp8.E4M3, 128)))
+    (bufs, (g, plog)), = calls
+    assert isinstance(p, PendingNorm) and g is gate and p.router is plog and plog.shape == (h // 128, e)
+    assert p.quant.q is bufs[0] and p.quant.group == 128
+    calls.clear()
+    p = fp8.fp8_linear_add_norm(x, w, torch.ones(h // 128, 32), (128, 128), residual, norm_w, 1e-6, on)
+    assert calls[0][1] is None and p.router is None and p.quant is None  # nothing asked: the MoE quantizes
+
+    ring = []
+    monkeypatch.setattr(fp8_tma, "fp8_tma_ring_experts", lambda *a, **kw: ring.append((a, kw)) or (a[0],) * 3)
+    monkeypatch.setattr(routing, "route_token_triton", lambda *a, **kw: pytest.fail("a routing launch ran"))
+    w13, w2 = torch.zeros(e, 2 * 768, h, dtype=fp8.E4M3), torch.zeros(e, h, 768, dtype=fp8.E4M3)
+    rows = fp8.QuantRows(torch.zeros(1, h, dtype=fp8.E4M3), torch.ones(1, h // 128), 128, torch.bfloat16)
+    fp8.routed_experts_ring(residual, None, w13, w2, 8, True, "softmax", (torch.zeros(16, h // 128), 1e-6), None,
+                            (None, None, (128, 128)), on, gate, None, (plog, rows))
+    (a, kw), = ring
+    assert a[0] is rows.q and a[1] is rows.s and kw["ranked"][0] is plog and kw["ids_late"]
