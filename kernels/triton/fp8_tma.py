@@ -324,7 +324,8 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
     if EXPERT_STRIPS > 0:
         if RANK:
             expert, _ = _ranked_expert(ids_ptr, num_experts, pid_n // EXPERT_STRIPS, E_PAD, TOP_K, SOFTMAX,
-                                       RENORMALIZE, num_warps, R_STRIPS, rss_ptr, r_eps, R_SPAD, out_ptr, R_EXACT)
+                                       RENORMALIZE, num_warps, R_STRIPS, rss_ptr, r_eps, R_SPAD, out_ptr, R_EXACT,
+                                       NEED_W=False)
         else:
             expert = gl.load(ids_ptr + pid_n // EXPERT_STRIPS)
         w_row = expert * EXPERT_STRIPS + pid_n % EXPERT_STRIPS
@@ -427,10 +428,12 @@ def _fp8_tma_ring_kernel(w_desc, x_desc, xs_ptr, ws_ptr, out_ptr, part_ptr, tick
 @gluon.jit
 def _ranked_expert(logits_ptr, num_experts, slot, E_PAD: gl.constexpr, TOP_K: gl.constexpr, SOFTMAX: gl.constexpr,
                    RENORMALIZE: gl.constexpr, num_warps: gl.constexpr, R_STRIPS: gl.constexpr = 0, ss_ptr=None,
-                   eps=0.0, S_PAD: gl.constexpr = 1, round_ptr=None, R_EXACT: gl.constexpr = False):
-    """(expert id, routing weight) of top-k slot `slot` of one token's router logits [num_experts] float32: the
-    scores, keys and rounds of kernels/triton/routing.py's topk_of_rows (ties to the lower id), every warp holding
-    all E_PAD logits (its reductions stay within the warp). R_STRIPS > 0: logits_ptr holds the router GEMM's
+                   eps=0.0, S_PAD: gl.constexpr = 1, round_ptr=None, R_EXACT: gl.constexpr = False,
+                   NEED_W: gl.constexpr = True):
+    """(expert id, routing weight) of top-k slot `slot` of one token's router logits [num_experts] float32, every
+    warp holding all E_PAD logits (its reductions stay within the warp): at sigmoid scoring the scores, keys and
+    rounds of kernels/triton/routing.py's topk_of_rows (ties to the lower id), at softmax _ranked_logit's.
+    NEED_W False: the expert only (its weight 1.0). R_STRIPS > 0: logits_ptr holds the router GEMM's
     partial sums [R_STRIPS, num_experts] over strips of 128 columns of a pending norm's sg (the o projection's
     ROUTER), summed here, scaled by the norm's 1/rms from ss_ptr's row 0 [R_STRIPS] (eps) and rounded to
     round_ptr's dtype, as route_token_triton writes the logits; R_EXACT (num_experts == E_PAD): read unmasked, four
@@ -452,22 +455,64 @@ def _ranked_expert(logits_ptr, num_experts, slot, E_PAD: gl.constexpr, TOP_K: gl
     else:
         x = gl.load(logits_ptr + ex, mask=ok, other=float("-inf"))
     if SOFTMAX:
-        p = gl.exp(x - gl.max(x, axis=0))
-        scores = p / gl.sum(p, axis=0)
+        expert, w = _ranked_logit(x, ok, ex, slot, round_ptr.dtype.element_ty, E_PAD, TOP_K, RENORMALIZE, NEED_W)
     else:
         scores = 1 / (1 + gl.exp(-x))
-    keys = (scores.to(gl.int32, bitcast=True).to(gl.int64) << 32) | (E_PAD - 1 - ex)
-    keys = gl.where(ok, keys, -1)
-    total = 0.0
-    for i in gl.static_range(TOP_K):
-        best = gl.max(keys, axis=0)
-        total += (best >> 32).to(gl.int32).to(gl.float32, bitcast=True)
-        picked = best if i == 0 else gl.where(slot == i, best, picked)
-        keys = gl.where(keys == best, -1, keys)
-    w = (picked >> 32).to(gl.int32).to(gl.float32, bitcast=True)
-    if RENORMALIZE:
-        w = w / total
-    return (E_PAD - 1 - (picked & 0xFFFFFFFF)).to(gl.int32), w
+        keys = (scores.to(gl.int32, bitcast=True).to(gl.int64) << 32) | (E_PAD - 1 - ex)
+        keys = gl.where(ok, keys, -1)
+        total = 0.0
+        for i in gl.static_range(TOP_K):
+            best = gl.max(keys, axis=0)
+            total += (best >> 32).to(gl.int32).to(gl.float32, bitcast=True)
+            picked = best if i == 0 else gl.where(slot == i, best, picked)
+            keys = gl.where(keys == best, -1, keys)
+        w = (picked >> 32).to(gl.int32).to(gl.float32, bitcast=True)
+        if RENORMALIZE:
+            w = w / total
+        expert = (E_PAD - 1 - (picked & 0xFFFFFFFF)).to(gl.int32)
+    return expert, w
+
+
+@gluon.jit
+def _ranked_logit(x, ok, ex, slot, dtype: gl.constexpr, E_PAD: gl.constexpr, TOP_K: gl.constexpr,
+                  RENORMALIZE: gl.constexpr, NEED_W: gl.constexpr):
+    """_ranked_expert at softmax scoring: the logits x (float32 holding values of the 16-bit dtype, the router GEMM's
+    rounded output) ranked by their 16-bit codes, made monotone and packed with the expert's index into one int32
+    key (ties to the lower id): a round is one 32-bit warp max, and no softmax runs ahead of the ranking. The
+    softmax keeps the logits' order, so these are the experts the scores rank, but for logits closer than the
+    float32 exp resolves (~1e-7 apart), which the scores would tie to the lower id (or, with exp's rounding, even
+    invert). NEED_W (w2): the routing weight too, the scores' exp(l - max) / sum, bit for bit as _ranked_expert
+    computes them at sigmoid; without it (w13) the rounds stop at the program's slot."""
+    code = x.to(dtype).to(gl.int16, bitcast=True).to(gl.int32)
+    keys = gl.where(ok, (gl.where(code < 0, -32768 - code, code) << 16) | (E_PAD - 1 - ex), -2147483647)
+    picked = gl.max(keys, axis=0)
+    w = 1.0
+    if NEED_W:
+        mx = _key_logit(picked, dtype)
+        s = gl.sum(gl.exp(x - mx), axis=0)
+        best = picked
+        total = gl.exp(mx - mx) / s
+        for i in gl.static_range(1, TOP_K):
+            keys = gl.where(keys == best, -2147483647, keys)
+            best = gl.max(keys, axis=0)
+            total += gl.exp(_key_logit(best, dtype) - mx) / s
+            picked = gl.where(slot == i, best, picked)
+        w = gl.exp(_key_logit(picked, dtype) - mx) / s
+        if RENORMALIZE:
+            w = w / total
+    else:
+        for i in gl.static_range(1, TOP_K):
+            if i <= slot:
+                keys = gl.where(keys == picked, -2147483647, keys)
+                picked = gl.max(keys, axis=0)
+    return (E_PAD - 1 - (picked & 0xFFFF)).to(gl.int32), w
+
+
+@gluon.jit
+def _key_logit(key, dtype: gl.constexpr):
+    """The float32 logit of _ranked_logit's key (its high 16 bits, the monotone code)."""
+    k = key >> 16
+    return gl.where(k < 0, -32768 - k, k).to(gl.int16).to(dtype, bitcast=True).to(gl.float32)
 
 
 @gluon.jit

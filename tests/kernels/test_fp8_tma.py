@@ -427,7 +427,8 @@ def test_ring_experts_late_read_their_expert_after_the_wait():
 def test_ring_experts_rank_the_logits_themselves(strips, shares):
     """RANK (KernelConfig.fp8_tma_ring_moe_rank): w13 (EXPERT_LATE) reads the router logits after its PDL wait and
     w2 before its wait, ahead of the first weight copy whose row the ranking picks; the top-k rounds are warp
-    reductions (no shared-memory reduction, no ticket of their own), with the softmax's exp ahead of them."""
+    reductions (no shared-memory reduction, no ticket of their own), one 32-bit max a round on the logits' codes
+    (_ranked_logit); only w2, which needs the routing weight, computes the softmax's exps."""
     tiles = 8 if strips else 6
     stages = min(6, tiles) if strips else 4
     args = (tiles, stages, 2 if strips else 8 * shares, bool(shares), bool(strips))
@@ -437,9 +438,10 @@ def test_ring_experts_rank_the_logits_themselves(strips, shares):
     first_copy = ranked.index("cp.async.bulk.tensor")
     logits = _at(ranked, "ld.global")[0]
     assert (logits > wait) == bool(strips) and logits < first_copy
-    assert "ex2.approx" in ranked and "ex2.approx" not in plain
-    # each of the 8 rounds: a 64-bit max across the warp, two redux.sync (the high word, then the low)
-    assert ranked.count("redux.sync.max") >= plain.count("redux.sync.max") + 2 * 8
+    assert ("ex2.approx" in ranked) == bool(shares) and "ex2.approx" not in plain
+    # each of the 8 rounds: one 32-bit max across the warp (w13's past its slot skipped at run time)
+    assert ranked.count("redux.sync.max.s32") == plain.count("redux.sync.max.s32") + 8
+    assert "redux.sync.max.u32" not in ranked
     assert ranked.count("atom.") == plain.count("atom.")  # the ring's own tickets only
     assert ranked.count("bar.sync") == plain.count("bar.sync")  # no cross-warp reduction added
 
@@ -628,6 +630,39 @@ def test_ring_experts_rank_their_logits_gpu(e, top_k, renorm, scoring, norm_in):
     assert torch.equal(outs[0], outs[1])
     assert ((outs[0] - outs[2]).norm() / outs[2].norm()).item() < 1e-3
     assert not tickets(x.device).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("renorm", [True, False])
+def test_ring_experts_rank_tied_logits_as_the_routing_launch_gpu(renorm):
+    """_ranked_logit (softmax, logits ranked by their bf16 codes): exact ties go to the lower id, -0.0 ties with 0.0,
+    as the routing launch's top-k ranks their scores; the output against the ring run on that launch's ids and
+    weights (the same experts: within float32 rounding; a wrong pick among the ties would be far off)."""
+    g, _, _, _ = hopper_block_case(1, 128, 128)
+    from tandem.kernels.fp8 import E4M3, quantize_rows, quantize_weight
+    from tandem.kernels.triton.device import tickets
+    from tandem.kernels.triton.fp8_tma import fp8_tma_ring_experts
+    from tandem.kernels.triton.routing import topk_routing_triton
+    dev, e, h, inter, top_k = "cuda", 16, 256, 256, 6
+    w13, s13 = quantize_weight(torch.randn(e * 2 * inter, h, device=dev, generator=g) * 0.05, block=(128, 128))
+    w2, s2 = quantize_weight(torch.randn(e * h, inter, device=dev, generator=g) * 0.05, block=(128, 128))
+    w13, s13, w2, s2 = (t.view(e, -1, t.shape[-1]) for t in (w13, s13, w2, s2))
+    xq, xs = quantize_rows(torch.randn(1, h, device=dev, dtype=torch.bfloat16, generator=g), E4M3, 128)
+    logits = torch.tensor([0.5, 1.25, 1.25, -3.0, 0.5, 1.25, 2.0, 2.0, -0.0, 0.0, -7.5, 0.5, -0.0, 1.0, -1.0, 0.5],
+                          device=dev).to(torch.bfloat16).float()
+    args = (xq, xs, w13, s13, w2, s2)
+    tied = logits.clone()
+    tied[13] = -1.0  # 0.5 next: ids 0, 4, 11, 15 tie for the sixth slot, the lowest wins
+    signed = torch.full_like(logits, -1.0)
+    signed[9], signed[3] = 0.0, -0.0  # the top two: -0.0 (id 3) ties with 0.0 (id 9)
+    for case, want in ((logits, [6, 7, 1, 2, 5, 13]), (tied, [6, 7, 1, 2, 5, 0]), (signed, [3, 9, 0, 1, 2, 4])):
+        weights, ids = topk_routing_triton(case[None], top_k, renorm, "softmax")
+        assert ids.tolist() == [want]
+        ranked = fp8_tma_ring_experts(*args, None, None, torch.bfloat16, ids_late=True,
+                                      ranked=(case, top_k, renorm, "softmax"))[0].float()
+        given = fp8_tma_ring_experts(*args, ids, weights, torch.bfloat16)[0].float()
+        assert ((ranked - given).norm() / given.norm()).item() < 1e-3
+    assert not tickets(xq.device).any()
 
 
 @pytest.mark.gpu
