@@ -866,8 +866,8 @@ def fp8_tma_ring_experts(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, 
     topk_w [1, k] float32 from a launch before the one ahead of this (read before the wait; ids_late: from the
     launch just ahead, which w13 then waits for before it reads them: EXPERT_LATE). Two launches: w13 for the k
     pairs' strips side by side (EXPERT_STRIPS) writing each pair's activation silu(gate) * up quantized (SILU_OUT),
-    then w2 with a K share a pair, or S shares (EXPERT_SHARES; _w2_plan), whose split-K sum is the top-k sum. silu_out False
-    (KernelConfig.fp8_tma_ring_moe_silu off): w13 writes gate_up and the SiLU-and-mul is a launch between (early:
+    then w2 with a K share a pair, or S shares (EXPERT_SHARES; _w2_plan), whose split-K sum is the top-k sum.
+    silu_out False (KernelConfig.fp8_tma_ring_moe_silu off): w13 writes gate_up and the SiLU-and-mul is a launch between (early:
     letting w2 in before its wait). On an H200 the fused form took the Qwen3-30B-A3B b=1 step from 2.105 to 2.087
     ms (benchmarks/RESULTS.md). -> (out [1, H] in dtype, sg, ss) as fp8_tma_ring_linear (residual and norm_weight:
     NORM_OUT; sg_quant: as fp8_tma_linear's). ranked = (logits [E] float32, top_k, renormalize, scoring), with

@@ -514,8 +514,8 @@ def test_ring_experts_silu_out_compiles(split):
 
 def test_ring_takes_rows_quantized_ahead_where_the_o_gemm_does_not(monkeypatch):
     """kernels.fp8 with fp8_tma_ring on such a GPU (stood in for: CPU): the SiLU-and-mul ahead of a down projection
-    writes its rows quantized at 1 row (quant_ahead; RING_MAX_ROWS), not ahead of the o projection the TMA GEMM takes from
-    bf16 rows, nor with the field off; the pending-norm form (fp8_tma_ring_normed) for the 8B gate_up and its qkv
+    writes its rows quantized at 1 row (quant_ahead; RING_MAX_ROWS), not ahead of the o projection the TMA GEMM takes
+    from bf16 rows, nor with the field off; the pending-norm form (fp8_tma_ring_normed) for the 8B gate_up and its qkv
     too, whose Triton plan would quantize in the GEMM."""
     from tandem.kernels import KernelConfig, fp8
     monkeypatch.setattr(fp8, "_tma_device", lambda x: True)
