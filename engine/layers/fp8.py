@@ -312,7 +312,8 @@ def link_quantized_inputs(model: nn.Module) -> int:
             if isinstance(consumer, Fp8Linear) and hasattr(producer, "quant_spec"):
                 producer.quant_spec = consumer.quant_ahead  # a bound method: not a submodule of the producer
                 linked += 1
-            if isinstance(consumer, Fp8FusedMoE) and hasattr(producer, "router_spec"):
+            if (isinstance(consumer, Fp8FusedMoE) and hasattr(producer, "router_spec")
+                    and consumer.kernels.fp8_tma_ring_moe_fold):  # (off: no per-step question asked)
                 producer.router_spec = consumer.router_ahead
             if isinstance(consumer, Fp8Linear) and hasattr(producer, "early_spec"):
                 producer.early_spec = consumer.tma_early

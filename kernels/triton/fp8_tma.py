@@ -481,8 +481,9 @@ def _ranked_logit(x, ok, ex, slot, dtype: gl.constexpr, E_PAD: gl.constexpr, TOP
     key (ties to the lower id): a round is one 32-bit warp max, and no softmax runs ahead of the ranking. The
     softmax keeps the logits' order, so these are the experts the scores rank, but for logits closer than the
     float32 exp resolves (~1e-7 apart), which the scores would tie to the lower id (or, with exp's rounding, even
-    invert). NEED_W (w2): the routing weight too, the scores' exp(l - max) / sum, bit for bit as _ranked_expert
-    computes them at sigmoid; without it (w13) the rounds stop at the program's slot."""
+    invert). NEED_W (w2): the routing weight too, the softmax score exp(l - max) / sum bit for bit as the scores
+    were computed before the ranking went to codes (each term recomputed from its logit); without it (w13) the
+    rounds stop at the program's slot."""
     code = x.to(dtype).to(gl.int16, bitcast=True).to(gl.int32)
     keys = gl.where(ok, (gl.where(code < 0, -32768 - code, code) << 16) | (E_PAD - 1 - ex), -2147483647)
     picked = gl.max(keys, axis=0)
