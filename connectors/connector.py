@@ -74,6 +74,9 @@ class TandemConnector:
         self.lock = threading.Lock()  # guards table, inbox and the outboxes (engine + agent threads)
         self.table = TransferTable()
         self.inbox: dict[str, object] = {}  # prefill, write: DecodeBlocks / AbortTransfer before the request
+        # prefill, write: {transfer id: decode's address} of requests that ended (aborted) before decode's
+        # block ids came; ids that come later are answered at once (_ended_before_ids)
+        self.ended_before_ids: dict[str, str] = {}
         self.finishes: list[FinishOp] = []
         self.closed: list[str] = []
         self.first_tokens: dict[str, tuple[int, list | None]] = {}  # decode: arrived, not yet taken
@@ -123,7 +126,9 @@ class TandemConnector:
             elif isinstance(msg, DecodeBlocks | AbortTransfer):
                 stamp(logger, "prefill", f"conn.{type(msg).__name__}", msg.transfer_id)
                 t = self.table.find(transfer_id=msg.transfer_id)
-                if t is None:
+                if msg.transfer_id in self.ended_before_ids:
+                    self._ended_before_ids(msg.transfer_id, msg)
+                elif t is None:
                     self.inbox[msg.transfer_id] = msg
                     if len(self.inbox) > _MAX_INBOX:  # ids for a transfer that ended (timed out) here
                         del self.inbox[next(iter(self.inbox))]
@@ -160,6 +165,15 @@ class TandemConnector:
         self.table.start_moving(t, t.pairs, self.transfer_timeout_s)
         if t.first_token is not None:  # sampled while the ids were on their way
             self._send_first_token(t)
+
+    def _ended_before_ids(self, transfer_id: str, msg) -> None:
+        """Prefill, write: decode's block ids (or abort) for a request that ended here before they
+        came (lock held). Nothing was or will be pushed: say so now, else decode keeps the blocks
+        (and, if it still runs, the request) until its transfer timeout."""
+        if isinstance(msg, DecodeBlocks) and msg.block_ids:
+            peer = self.ended_before_ids[transfer_id]
+            done = TransferDone(transfer_id, "the prefill request ended before the KV transfer started")
+            self.agent.submit(lambda: self._send_quietly(peer, done))
 
     def _send_first_token(self, t: Transfer) -> None:
         """Prefill, write: tell decode the first output token (lock held; decode knows t)."""
@@ -369,11 +383,22 @@ class TandemConnector:
             t = self.table.get(req.request_id)
             if p.do_remote_decode and p.mode == "read":
                 return self._hold_for_read(req, p) if ok else (False, None)
+            if p.do_remote_decode and p.mode == "write" and p.peer and not ok and (t is None or not t.remote_blocks):
+                self.ended_before_ids[p.transfer_id] = p.peer  # (aborted while queued, or waiting for the ids)
+                if len(self.ended_before_ids) > _MAX_INBOX:
+                    del self.ended_before_ids[next(iter(self.ended_before_ids))]
+                early = self.inbox.pop(p.transfer_id, None)
+                if early is not None:
+                    self._ended_before_ids(p.transfer_id, early)
             if t is None:
                 if p.do_remote_prefill and p.mode == "write" and p.peer and not ok and not req.num_output_tokens:
                     # decode ended before it asked for any KV (aborted while queued): the prefill,
                     # which may hold the prompt's blocks for our ids, would wait out its timeout
                     peer, msg = p.peer, AbortTransfer(p.transfer_id)
+                    self.agent.submit(lambda: self._send_quietly(peer, msg))
+                elif p.do_remote_prefill and p.mode == "read" and p.peer and not ok and not req.block_ids:
+                    # read: the same, for the blocks the prefill holds for our read (hold_timeout_s)
+                    peer, msg = p.peer, FreeBlocks(p.remote_request_id)
                     self.agent.submit(lambda: self._send_quietly(peer, msg))
                 return False, None
             if t.side == "decode" and not t.state.terminal:

@@ -301,6 +301,27 @@ def test_write_mode_decode_aborted_while_queued_frees_the_prefill_at_once(model_
         decode.shutdown()
 
 
+def test_read_mode_decode_aborted_while_queued_frees_the_prefill_at_once(model_dir):
+    """Read mode: the decode request is aborted while queued (no blocks, nothing read): decode
+    tells the prefill to free the blocks it holds for the read within a couple of seconds, not
+    after hold_timeout_s (60 s here)."""
+    prefill = make(model_dir, "kv_producer", hold_timeout_s=60)
+    decode = make(model_dir, "kv_consumer", hold_timeout_s=60)
+    dhost, dport = decode.connector.address.rsplit(":", 1)
+    try:
+        to_prefill = {"do_remote_decode": True, "remote_host": dhost, "remote_port": int(dport)}
+        prefill.add_request(EngineRequest("p", PROMPTS[4], SamplingParams(max_tokens=1, temperature=0),
+                                          kv_transfer_params=to_prefill))
+        outs = run_all(prefill, until=lambda o: finished(o, "p"))
+        assert prefill.blocks.num_free_blocks < prefill.blocks.num_blocks  # held for the read
+        decode.add_request(EngineRequest("d", PROMPTS[4], PARAMS, kv_transfer_params=outs["p"][-1].kv_transfer_params))
+        decode.abort_requests(["d"])
+        settle(prefill, decode, within_s=2.0)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_write_mode_abort_keeps_blocks_while_prefill_may_write(model_dir, transport):
     """A decode request aborted while its KV is arriving keeps its blocks until the prefill says
@@ -329,6 +350,46 @@ def test_write_mode_abort_keeps_blocks_while_prefill_may_write(model_dir, transp
             "remote_port": int(dport)}))
         run_all(prefill, until=lambda o: finished(o, "p"))
         settle(prefill, decode)  # prefill's TransferDone releases them, well before the 15 s timeout
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+@pytest.mark.parametrize("ids_first", [True, False])
+def test_write_mode_prefill_aborted_while_queued_releases_the_decode_at_once(model_dir, ids_first):
+    """Write mode: the prefill request is aborted while still queued (never scheduled, nothing
+    pushed), with decode's block ids already in (ids_first) or coming after. The prefill answers
+    the ids at once: decode's request fails with an error and its blocks are free within a couple
+    of seconds, not after transfer_timeout_s (60 s here), which under load starves the decode."""
+    prefill = make(model_dir, "kv_producer", transfer_timeout_s=60)
+    decode = make(model_dir, "kv_consumer", transfer_timeout_s=60)
+    host, port = prefill.connector.address.rsplit(":", 1)
+    dhost, dport = decode.connector.address.rsplit(":", 1)
+    to_prefill = {"do_remote_decode": True, "mode": "write", "transfer_id": "t", "remote_host": dhost,
+                  "remote_port": int(dport)}
+
+    def queue_and_abort_prefill():
+        prefill.add_request(EngineRequest("p", PROMPTS[4], SamplingParams(max_tokens=1), kv_transfer_params=to_prefill))
+        prefill.abort_requests(["p"])
+
+    try:
+        if not ids_first:
+            queue_and_abort_prefill()
+        decode.add_request(EngineRequest("d", PROMPTS[4], PARAMS, kv_transfer_params={
+            "do_remote_prefill": True, "mode": "write", "transfer_id": "t", "remote_host": host,
+            "remote_port": int(port)}))
+        if ids_first:
+            deadline = time.time() + 30
+            while "t" not in prefill.connector.inbox:  # decode allocated and said where to write
+                assert time.time() < deadline
+                decode.step()
+                time.sleep(0.01)
+            queue_and_abort_prefill()
+        start = time.monotonic()
+        outs = run_all(decode, until=lambda o: finished(o, "d"))
+        assert time.monotonic() - start < 5
+        assert outs["d"][-1].error and "prefill" in outs["d"][-1].error, outs["d"][-1]
+        settle(prefill, decode, within_s=2.0)
     finally:
         prefill.shutdown()
         decode.shutdown()
