@@ -3,14 +3,20 @@
 Each public function picks an implementation by device: Triton on CUDA/ROCm
 (when importable), the plain-torch reference otherwise. References live next to
 the dispatchers and are what the tests compare the fast paths against.
-This package imports nothing else of Tandem's.
+This package imports nothing else of Tandem's. Its names load on first use: the API process
+reads KernelConfig (through the engine's config) and must not pay torch's import for it.
 """
-from tandem.kernels.activation import silu_and_mul
-from tandem.kernels.attention import paged_attention
-from tandem.kernels.config import KernelConfig
-from tandem.kernels.kv_cache import store_kvcache
-from tandem.kernels.norm import fused_add_rms_norm, rms_norm
-from tandem.kernels.rotary import apply_rotary, build_cos_sin_cache, rotary_store_kvcache
+import importlib
+
+_HOMES = {"silu_and_mul": "activation", "paged_attention": "attention", "KernelConfig": "config",
+          "store_kvcache": "kv_cache", "fused_add_rms_norm": "norm", "rms_norm": "norm", "apply_rotary": "rotary",
+          "build_cos_sin_cache": "rotary", "rotary_store_kvcache": "rotary"}
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
 
 __all__ = [
     "apply_rotary",

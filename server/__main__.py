@@ -50,13 +50,9 @@ def run_api_server(args: argparse.Namespace) -> int:
     """API process + engine core process; returns the exit code (1 if the engine core died or
     failed to start). The HTTP port (and the KV port of a PD instance) is bound before the model
     loads; /health answers 503 until it has loaded."""
-    import uvicorn
-
     from tandem.engine.config import config_from_args
-    from tandem.server.api import build_app
     from tandem.server.engine_client import EngineClient, EngineStartupError
     from tandem.server.lifecycle import GracefulServer, Lifecycle, PortInUseError, bind_socket
-    from tandem.server.tokenizer import Tokenizer
 
     config = config_from_args(args)
     try:
@@ -74,6 +70,12 @@ def run_api_server(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         client.start()
+        # the rest loads while the engine core loads the model (the app's modules import torch)
+        import uvicorn
+
+        from tandem.server.api import build_app
+        from tandem.server.tokenizer import Tokenizer
+
         tokenizer = None
         try:  # load the tokenizer while the engine core loads the model
             tokenizer = Tokenizer(config.model.tokenizer or config.model.model)
