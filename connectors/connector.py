@@ -129,9 +129,7 @@ class TandemConnector:
                 if msg.transfer_id in self.ended_before_ids:
                     self._ended_before_ids(msg.transfer_id, msg)
                 elif t is None:
-                    self.inbox[msg.transfer_id] = msg
-                    if len(self.inbox) > _MAX_INBOX:  # ids for a transfer that ended (timed out) here
-                        del self.inbox[next(iter(self.inbox))]
+                    self._early(msg)
                 else:
                     self._prefill_message(t, msg)
             elif isinstance(msg, FirstToken):
@@ -165,6 +163,22 @@ class TandemConnector:
         self.table.start_moving(t, t.pairs, self.transfer_timeout_s)
         if t.first_token is not None:  # sampled while the ids were on their way
             self._send_first_token(t)
+
+    def _early(self, msg: DecodeBlocks | AbortTransfer) -> None:
+        """Prefill, write: a message for a request not seen here (yet), kept for it (lock held).
+        Decode's ids and its abort both in, with no request here (the client hung up before the
+        router's request reached us): nothing will be pushed, so decode hears so at once; the
+        abort stays, for a request that still comes."""
+        prior = self.inbox.get(msg.transfer_id)
+        if {type(prior), type(msg)} == {DecodeBlocks, AbortTransfer}:
+            ids = msg if isinstance(msg, DecodeBlocks) else prior
+            if ids.block_ids and ids.reply_to:
+                peer, done = ids.reply_to, TransferDone(msg.transfer_id, "the decode request was aborted")
+                self.agent.submit(lambda: self._send_quietly(peer, done))
+            msg = AbortTransfer(msg.transfer_id)
+        self.inbox[msg.transfer_id] = msg
+        if len(self.inbox) > _MAX_INBOX:  # ids for a transfer that ended (timed out) here
+            del self.inbox[next(iter(self.inbox))]
 
     def _ended_before_ids(self, transfer_id: str, msg) -> None:
         """Prefill, write: decode's block ids (or abort) for a request that ended here before they
@@ -267,7 +281,8 @@ class TandemConnector:
             self.table.move(t, S.READY)
             if t.mode == "write":
                 self.table.start_moving(t, pairs, self.transfer_timeout_s)
-                msg = DecodeBlocks(t.transfer_id, self.engine_id, t.local_blocks, self.layout, self.rank_addresses)
+                msg = DecodeBlocks(t.transfer_id, self.engine_id, t.local_blocks, self.layout, self.rank_addresses,
+                                   self.agent.address)
         if t.mode == "write":
             self.agent.send(t.peer, msg)
         self.news.set()  # read: the next step starts the ranks' reads

@@ -41,6 +41,7 @@ class DecodeBlocks(msgspec.Struct, tag=True):
     block_ids: list[int]
     layout: KVLayout | None = None
     rank_addresses: list[str] = []
+    reply_to: str = ""  # decode's connector: where a prefill that will never push says so (TransferDone)
 
 
 class FreeBlocks(msgspec.Struct, tag=True):
