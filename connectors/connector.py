@@ -46,6 +46,13 @@ _MAX_INBOX = 4096  # early messages kept for requests not seen yet; the oldest g
 _EARLY_SHARE = 0.5
 
 
+def _remember(d: dict, key: str, value) -> None:
+    """d[key] = value, the oldest entry dropped past _MAX_INBOX."""
+    d[key] = value
+    if len(d) > _MAX_INBOX:
+        del d[next(iter(d))]
+
+
 def _logprobs_list(req: Request) -> list | None:
     """req's first output token's logprobs as [token_ids, logprobs, rank] (None: not asked)."""
     lp = req.first_token_logprobs
@@ -173,12 +180,9 @@ class TandemConnector:
         if {type(prior), type(msg)} == {DecodeBlocks, AbortTransfer}:
             ids = msg if isinstance(msg, DecodeBlocks) else prior
             if ids.block_ids and ids.reply_to:
-                peer, done = ids.reply_to, TransferDone(msg.transfer_id, "the decode request was aborted")
-                self.agent.submit(lambda: self._send_quietly(peer, done))
+                self._tell(ids.reply_to, TransferDone(msg.transfer_id, "the decode request was aborted"))
             msg = AbortTransfer(msg.transfer_id)
-        self.inbox[msg.transfer_id] = msg
-        if len(self.inbox) > _MAX_INBOX:  # ids for a transfer that ended (timed out) here
-            del self.inbox[next(iter(self.inbox))]
+        _remember(self.inbox, msg.transfer_id, msg)  # (bounded: ids for a transfer that ended here are dropped)
 
     def _ended_before_ids(self, transfer_id: str, msg) -> None:
         """Prefill, write: decode's block ids (or abort) for a request that ended here before they
@@ -187,13 +191,13 @@ class TandemConnector:
         if isinstance(msg, DecodeBlocks) and msg.block_ids:
             peer = self.ended_before_ids[transfer_id]
             done = TransferDone(transfer_id, "the prefill request ended before the KV transfer started")
-            self.agent.submit(lambda: self._send_quietly(peer, done))
+            self._tell(peer, done)
 
     def _send_first_token(self, t: Transfer) -> None:
         """Prefill, write: tell decode the first output token (lock held; decode knows t)."""
         peer, first = t.peer, FirstToken(t.transfer_id, *t.first_token)
         stamp(logger, "prefill", "conn.first_token_sent", t.request_id)
-        self.agent.submit(lambda: self._send_quietly(peer, first))
+        self._tell(peer, first)
 
     def _end_push(self, t: Transfer, state: S, error: str) -> None:
         """Prefill, write: stop t. Pushes may have started: the ranks end them and tell decode."""
@@ -212,8 +216,11 @@ class TandemConnector:
         """Decode, read: once t's ranks are done (or it ended), tell prefill to free (lock held)."""
         if t.side == "decode" and t.mode == "read" and t.settled and t.peer and not t.told_peer:
             t.told_peer = True
-            peer, msg = t.peer, FreeBlocks(t.params.remote_request_id)
-            self.agent.submit(lambda: self._send_quietly(peer, msg))
+            self._tell(t.peer, FreeBlocks(t.params.remote_request_id))
+
+    def _tell(self, peer: str, msg) -> None:
+        """Send msg to peer from the agent's client thread (never blocks the caller; a failure is logged)."""
+        self.agent.submit(lambda: self._send_quietly(peer, msg))
 
     def _send_quietly(self, peer: str, msg) -> None:
         try:
@@ -239,7 +246,7 @@ class TandemConnector:
         if n == 0:  # nothing to receive; release the prefill's blocks (read) or its wait (write)
             msg = (DecodeBlocks(p.transfer_id, self.engine_id, []) if p.mode == "write"
                    else FreeBlocks(p.remote_request_id))
-            self.agent.submit(lambda: self._send_quietly(p.peer, msg))
+            self._tell(p.peer, msg)
         return n
 
     def on_blocks_allocated(self, req: Request, num_remote_tokens: int) -> None:
@@ -356,11 +363,9 @@ class TandemConnector:
             for t in self.table.expire():
                 logger.warning("KV transfer of %s: %s", t.request_id, t.error)
                 if t.side == "decode" and t.mode == "write" and t.peer and t.pending:
-                    peer, msg = t.peer, AbortTransfer(t.transfer_id)  # prefill's ranks end their pushes
-                    self.agent.submit(lambda peer=peer, msg=msg: self._send_quietly(peer, msg))
+                    self._tell(t.peer, AbortTransfer(t.transfer_id))  # prefill's ranks end their pushes
                 elif t.side == "prefill" and t.mode == "write" and t.peer and not t.remote_blocks:
-                    peer, msg = t.peer, TransferDone(t.transfer_id, t.error)  # nothing was pushed
-                    self.agent.submit(lambda peer=peer, msg=msg: self._send_quietly(peer, msg))
+                    self._tell(t.peer, TransferDone(t.transfer_id, t.error))  # nothing was pushed
             for t in list(self.table.transfers.values()):
                 self._after_end(t)
                 if not t.settled:
@@ -399,9 +404,7 @@ class TandemConnector:
             if p.do_remote_decode and p.mode == "read":
                 return self._hold_for_read(req, p) if ok else (False, None)
             if p.do_remote_decode and p.mode == "write" and p.peer and not ok and (t is None or not t.remote_blocks):
-                self.ended_before_ids[p.transfer_id] = p.peer  # (aborted while queued, or waiting for the ids)
-                if len(self.ended_before_ids) > _MAX_INBOX:
-                    del self.ended_before_ids[next(iter(self.ended_before_ids))]
+                _remember(self.ended_before_ids, p.transfer_id, p.peer)  # (aborted while queued, or waiting for ids)
                 early = self.inbox.pop(p.transfer_id, None)
                 if early is not None:
                     self._ended_before_ids(p.transfer_id, early)
@@ -409,18 +412,15 @@ class TandemConnector:
                 if p.do_remote_prefill and p.mode == "write" and p.peer and not ok and not req.num_output_tokens:
                     # decode ended before it asked for any KV (aborted while queued): the prefill,
                     # which may hold the prompt's blocks for our ids, would wait out its timeout
-                    peer, msg = p.peer, AbortTransfer(p.transfer_id)
-                    self.agent.submit(lambda: self._send_quietly(peer, msg))
+                    self._tell(p.peer, AbortTransfer(p.transfer_id))
                 elif p.do_remote_prefill and p.mode == "read" and p.peer and not ok and not req.block_ids:
                     # read: the same, for the blocks the prefill holds for our read (hold_timeout_s)
-                    peer, msg = p.peer, FreeBlocks(p.remote_request_id)
-                    self.agent.submit(lambda: self._send_quietly(peer, msg))
+                    self._tell(p.peer, FreeBlocks(p.remote_request_id))
                 return False, None
             if t.side == "decode" and not t.state.terminal:
                 self.table.end(t, S.ABORTED, "the request finished")
                 if t.mode == "write" and t.peer:
-                    peer, msg = t.peer, AbortTransfer(t.transfer_id)
-                    self.agent.submit(lambda: self._send_quietly(peer, msg))
+                    self._tell(t.peer, AbortTransfer(t.transfer_id))
                 if t.state == S.ABORTED and not t.pending:
                     self._after_end(t)
             elif t.side == "prefill" and not ok:
