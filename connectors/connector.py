@@ -80,10 +80,9 @@ class TandemConnector:
         self.rank_addresses: list[str] = []  # each rank's data agent, set once the ranks have met
         self.lock = threading.Lock()  # guards table, inbox and the outboxes (engine + agent threads)
         self.table = TransferTable()
-        self.inbox: dict[str, object] = {}  # prefill, write: DecodeBlocks / AbortTransfer before the request
-        # prefill, write: {transfer id: decode's address} of requests that ended (aborted) before decode's
-        # block ids came; ids that come later are answered at once (_ended_before_ids)
-        self.ended_before_ids: dict[str, str] = {}
+        # prefill, write: DecodeBlocks / AbortTransfer for a request not seen here, or that ended here
+        # before decode's ids came (an AbortTransfer of our own); see _early
+        self.inbox: dict[str, object] = {}
         self.finishes: list[FinishOp] = []
         self.closed: list[str] = []
         self.first_tokens: dict[str, tuple[int, list | None]] = {}  # decode: arrived, not yet taken
@@ -133,9 +132,7 @@ class TandemConnector:
             elif isinstance(msg, DecodeBlocks | AbortTransfer):
                 stamp(logger, "prefill", f"conn.{type(msg).__name__}", msg.transfer_id)
                 t = self.table.find(transfer_id=msg.transfer_id)
-                if msg.transfer_id in self.ended_before_ids:
-                    self._ended_before_ids(msg.transfer_id, msg)
-                elif t is None:
+                if t is None:
                     self._early(msg)
                 else:
                     self._prefill_message(t, msg)
@@ -172,26 +169,19 @@ class TandemConnector:
             self._send_first_token(t)
 
     def _early(self, msg: DecodeBlocks | AbortTransfer) -> None:
-        """Prefill, write: a message for a request not seen here (yet), kept for it (lock held).
-        Decode's ids and its abort both in, with no request here (the client hung up before the
-        router's request reached us): nothing will be pushed, so decode hears so at once; the
-        abort stays, for a request that still comes."""
+        """Prefill, write: a message for a request not seen here (yet), or that ended here before
+        decode's ids came, kept for it (lock held). Decode's ids meeting a reason nothing will be
+        pushed (decode's abort: the client hung up before the router's request reached us; or the
+        request's end here, an AbortTransfer of our own) are answered at once with TransferDone,
+        else decode keeps the blocks (and, if it still runs, the request) until its transfer
+        timeout. The abort stays, for a request that still comes: it ends without pushing."""
         prior = self.inbox.get(msg.transfer_id)
         if {type(prior), type(msg)} == {DecodeBlocks, AbortTransfer}:
             ids = msg if isinstance(msg, DecodeBlocks) else prior
             if ids.block_ids and ids.reply_to:
-                self._tell(ids.reply_to, TransferDone(msg.transfer_id, "the decode request was aborted"))
+                self._tell(ids.reply_to, TransferDone(msg.transfer_id, "the request ended before its KV transfer"))
             msg = AbortTransfer(msg.transfer_id)
-        _remember(self.inbox, msg.transfer_id, msg)  # (bounded: ids for a transfer that ended here are dropped)
-
-    def _ended_before_ids(self, transfer_id: str, msg) -> None:
-        """Prefill, write: decode's block ids (or abort) for a request that ended here before they
-        came (lock held). Nothing was or will be pushed: say so now, else decode keeps the blocks
-        (and, if it still runs, the request) until its transfer timeout."""
-        if isinstance(msg, DecodeBlocks) and msg.block_ids:
-            peer = self.ended_before_ids[transfer_id]
-            done = TransferDone(transfer_id, "the prefill request ended before the KV transfer started")
-            self._tell(peer, done)
+        _remember(self.inbox, msg.transfer_id, msg)  # (bounded: the oldest are dropped)
 
     def _send_first_token(self, t: Transfer) -> None:
         """Prefill, write: tell decode the first output token (lock held; decode knows t)."""
@@ -208,9 +198,8 @@ class TandemConnector:
             self.table.move(t, state, error)
         else:
             self.table.end(t, state, error, quiet=True)
-            peer, done = t.peer, TransferDone(t.transfer_id, error)
-            if peer:
-                self.agent.submit(lambda: self.agent.send(peer, done))
+            if t.peer:
+                self._tell(t.peer, TransferDone(t.transfer_id, error))
 
     def _after_end(self, t: Transfer) -> None:
         """Decode, read: once t's ranks are done (or it ended), tell prefill to free (lock held)."""
@@ -404,10 +393,7 @@ class TandemConnector:
             if p.do_remote_decode and p.mode == "read":
                 return self._hold_for_read(req, p) if ok else (False, None)
             if p.do_remote_decode and p.mode == "write" and p.peer and not ok and (t is None or not t.remote_blocks):
-                _remember(self.ended_before_ids, p.transfer_id, p.peer)  # (aborted while queued, or waiting for ids)
-                early = self.inbox.pop(p.transfer_id, None)
-                if early is not None:
-                    self._ended_before_ids(p.transfer_id, early)
+                self._early(AbortTransfer(p.transfer_id))  # (aborted while queued, or waiting for ids)
             if t is None:
                 if p.do_remote_prefill and p.mode == "write" and p.peer and not ok and not req.num_output_tokens:
                     # decode ended before it asked for any KV (aborted while queued): the prefill,
