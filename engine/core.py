@@ -12,7 +12,8 @@ import torch.distributed as dist
 from tandem.connectors.params import parse_kv_transfer_params
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import EngineConfig
-from tandem.engine.loader import eos_token_ids, load_hf_config, resolve_max_model_len
+from tandem.engine.hf_config import load_hf_config
+from tandem.engine.loader import eos_token_ids, resolve_max_model_len
 from tandem.engine.model_runner import ModelRunner, PendingStep
 from tandem.engine.protocol import EngineRequest, RequestOutput, SchedulerStats
 from tandem.engine.request import Request, RequestStatus

@@ -1,4 +1,4 @@
-"""Hugging Face model folders -> configs and weights (safetensors, single or sharded), or
+"""Hugging Face model folders -> weights (safetensors, single or sharded), or
 random weights of the config's shape (load_format="dummy")."""
 import json
 import logging
@@ -11,19 +11,6 @@ from tqdm import tqdm
 from tandem.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
-
-
-def load_hf_config(model_dir: str):
-    from transformers import AutoConfig
-
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path / 'config.json'} not found: --model must be a Hugging Face model folder "
-                                f"(config.json, *.safetensors, tokenizer files)")
-    try:
-        return AutoConfig.from_pretrained(model_dir)
-    except (ValueError, KeyError) as e:
-        raise ValueError(f"{path / 'config.json'}: cannot be read as a transformers config: {e}") from e
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:

@@ -136,7 +136,7 @@ def _die_with_parent() -> None:
 
 def _worker_main(config: EngineConfig, rank: int, max_model_len: int, stopped) -> None:
     _die_with_parent()
-    from tandem.engine.loader import load_hf_config
+    from tandem.engine.hf_config import load_hf_config
     from tandem.engine.model_runner import ModelRunner
 
     hf_config = load_hf_config(config.model.model)
@@ -221,7 +221,8 @@ class Workers:
 
 def run_node_workers(config: EngineConfig) -> None:
     """On nodes other than 0 (--node-rank > 0): run this node's ranks until rank 0 stops them."""
-    from tandem.engine.loader import load_hf_config, resolve_max_model_len
+    from tandem.engine.hf_config import load_hf_config
+    from tandem.engine.loader import resolve_max_model_len
 
     workers = Workers(config, resolve_max_model_len(config, load_hf_config(config.model.model)), include_rank0=True)
     workers.arm()  # (no rank 0 here to report an error: a dead rank exits this node's process at once)

@@ -27,6 +27,8 @@ class RotaryEmbedding(nn.Module):
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"unknown rope_type {rope_type!r} in the model config")
+            if hasattr(hf_config, "to_transformers"):  # (our ModelConfig: transformers' functions want theirs)
+                hf_config = hf_config.to_transformers()
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
         # transformers computes inv_freq on the CPU; the cache lives where the model is built.
         inv_freq = inv_freq.to(torch.get_default_device())
