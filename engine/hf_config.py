@@ -59,9 +59,11 @@ class ModelConfig:
             alias, name = ALIASES[family]
             if alias in c and name not in c:
                 c[name] = c.pop(alias)
-        for key, default in FAMILY_DEFAULTS.get(family, {}).items():
-            if c.get(key) is None and not (key in c and not callable(default)):
+        for key, default in FAMILY_DEFAULTS.get(family, {}).items():  # (derived ones after what they derive from)
+            if key not in c:
                 c[key] = default(c) if callable(default) else default
+            elif c[key] is None and callable(default):  # null: derived, as transformers does
+                c[key] = default(c)
         if family in ALIASES:
             c[ALIASES[family][0]] = c[ALIASES[family][1]]
         rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
