@@ -59,6 +59,11 @@ def paged_attention_ref(
     return out
 
 
+def _wgmma_supports(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int | None) -> bool:
+    from tandem.kernels.triton.attention_wgmma import supports
+    return supports(q, k_cache, max_query_len)
+
+
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
@@ -78,11 +83,19 @@ def paged_attention(
     GPU kernel's split merge lets the next launch in before its own PDL wait (kernels.fp8.tma_early). partials:
     where the GPU launch splits K over one token, its SplitPartials instead of the merged output (merged(): the
     rows [1, Hq * D], or with quant their QuantRows); where it does not split, the output as without it."""
-    if rope is not None and not (config.fuse_rope and use_triton(q) and max_query_len == 1 and dense_kv is None):
+    wgmma = config.fp8_attention_wgmma and use_triton(q) and dense_kv is None and _wgmma_supports(q, k_cache,
+                                                                                                   max_query_len)
+    if rope is not None and (wgmma or not (config.fuse_rope and use_triton(q) and max_query_len == 1
+                                           and dense_kv is None)):
         q = rotary_store_kvcache(rope.positions, q, rope.k, rope.v, rope.cos_sin_cache, k_cache, v_cache,
                                  rope.slot_mapping, rope.qk_norm, config=config)
         rope = None
     from tandem.kernels.fp8 import QuantRows, quantize_rows
+    if wgmma:
+        from tandem.kernels.triton.attention_wgmma import decode_attention_wgmma
+        out = decode_attention_wgmma(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, quant,
+                                     config.pdl)
+        return QuantRows(*out, quant[1], q.dtype) if quant else out
     if use_triton(q):
         from tandem.kernels.triton.attention import paged_attention_triton
         out = paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,

@@ -1,0 +1,189 @@
+"""Decode attention over an e4m3 KV cache on wgmma (Gluon: TMA and wgmma; Hopper), QK^T an fp8 dot.
+
+Why: the Triton decode attention (kernels/triton/attention.py) at 64 sequences is bound by its instructions, a
+third of their wait on shared memory: each K and V tile goes global -> shared (fp8) -> registers -> f16 -> the
+dot's operand through shared memory again (benchmarks/RESULTS.md). Triton lowers an fp8 dot of 16 rows on sm_90
+to bf16 mma.sync with both operands converted, so there is no cheaper K in Triton. Here the K tile goes by TMA
+into shared memory and straight into an fp8 wgmma, swapped so that the tile's 64 keys are the wgmma's M side:
+S^T [64 keys, HP] = K [64, D] @ q8^T [D, HP], q quantized to e4m3 (one scale for the program's q heads, in the
+softmax's scale). V still passes through registers once (e4m3 -> f16, transposed into shared memory:
+wgmma takes 8-bit operands K-major only), then O^T [D, HP] += V^T [D, 64] @ P^T [64, HP] in f16.
+
+One program a (sequence, KV head) of a decode batch (one new token a sequence, already rotated and stored: no
+fused rope), its q heads (GROUP, padded to HP) the wgmma's N side. Tiles of 64 keys, four 16-token pages each,
+each page one TMA box [PAGE, D] of the cache viewed as [blocks * PAGE, Hk * D]; STAGES tiles in flight. Keys
+past the context read whatever page 0 holds and are masked (scores to -inf, V rows to 0).
+
+Gluon has no interpreter: CPU tests compile it for sm_90; its numbers are checked against kernels.attention's
+reference on a GPU (tests/kernels/test_attention_wgmma.py).
+"""
+import torch
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from tandem.kernels.triton.pdl import launch_args
+
+TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # Triton 3.9 / 3.6
+CTA_BARRIER = getattr(gl, "barrier", None) or gl.thread_barrier  # 3.9 / 3.6
+BLOCK_N = gl.constexpr(64)  # keys a tile: the S^T wgmma's M over one warpgroup
+HP = gl.constexpr(8)  # a KV head's q heads, padded: the wgmma's N
+
+
+@gluon.jit
+def _issue_tile(k_desc, v_desc, bt, tile, ctx, kvh, bar, k_dst, v_dst, PAGES: gl.constexpr, PAGE: gl.constexpr,
+                D: gl.constexpr):
+    """Request tile `tile`'s K and V pages (block-table row bt) into k_dst / v_dst [PAGES * PAGE, D], on bar.
+    Pages past the context read page 0 (masked by the caller)."""
+    mbarrier.expect(bar, 2 * PAGES * k_desc.block_type.nbytes)
+    for j in gl.static_range(PAGES):
+        idx = tile * PAGES + j
+        page = gl.load(bt + idx, mask=idx * PAGE < ctx, other=0)
+        TMA_LOAD(k_desc, [page * PAGE, kvh * D], bar, k_dst.slice(j * PAGE, PAGE, dim=0))
+        TMA_LOAD(v_desc, [page * PAGE, kvh * D], bar, v_dst.slice(j * PAGE, PAGE, dim=0))
+
+
+@gluon.jit
+def _decode_attention_wgmma_kernel(
+    k_desc, v_desc, q_ptr, out_ptr, q8_ptr, q8s_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale, fp8_max, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_q8t, stride_q8st,
+    GROUP: gl.constexpr, STAGES: gl.constexpr, KV_MAX: gl.constexpr, QUANT_OUT: gl.constexpr, PDL: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    seq = gl.program_id(0)
+    kvh = gl.program_id(1)
+    PAGE: gl.constexpr = k_desc.block_type.shape[0]
+    D: gl.constexpr = k_desc.block_type.shape[1]
+    PAGES: gl.constexpr = BLOCK_N // PAGE
+    kdt: gl.constexpr = k_desc.dtype
+    tok = gl.load(query_start_loc_ptr + seq).to(gl.int64)
+    if gl.load(query_start_loc_ptr + seq + 1) == tok:
+        return  # a sequence without a token here (graph padding)
+    ctx = gl.load(seq_lens_ptr + seq)
+    n_tiles = (ctx + BLOCK_N - 1) // BLOCK_N
+    bt = block_tables_ptr + seq.to(gl.int64) * stride_bt
+
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], kdt)
+    k_smem = gl.allocate_shared_memory(kdt, [STAGES, BLOCK_N, D], tile_layout)
+    v_smem = gl.allocate_shared_memory(kdt, [STAGES, BLOCK_N, D], tile_layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+    if PDL:  # the launch ahead stored the new key and value; q comes from it too
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    for i in gl.static_range(STAGES):
+        if i < n_tiles:
+            _issue_tile(k_desc, v_desc, bt, i, ctx, kvh, bars.index(i), k_smem.index(i), v_smem.index(i), PAGES, PAGE,
+                        D)
+
+    # q [HP, D] of the program's heads, in e4m3 with one scale (folded into the scores' scale)
+    ql: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    hq = gl.arange(0, HP, layout=gl.SliceLayout(1, ql))
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, ql))
+    q = gl.load(q_ptr + tok * stride_qt + (kvh * GROUP + hq)[:, None] * stride_qh + dq[None, :],
+                mask=(hq < GROUP)[:, None], other=0.0).to(gl.float32)
+    q_scale = gl.maximum(gl.max(gl.max(gl.abs(q), axis=1), axis=0), 1e-30) / KV_MAX
+    q8_smem = gl.allocate_shared_memory(kdt, [HP, D], gl.NVMMASharedLayout.get_default_for([HP, D], kdt))
+    q8_smem.store((q / q_scale).to(kdt))
+    scale = qk_scale * q_scale
+
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, HP, 32])
+    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, HP, 16])
+    vl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])  # a V tile [BLOCK_N, D]
+    vt_smem = gl.allocate_shared_memory(gl.float16, [D, BLOCK_N],
+                                        gl.NVMMASharedLayout.get_default_for([D, BLOCK_N], gl.float16))
+    pt_smem = gl.allocate_shared_memory(gl.float16, [HP, BLOCK_N],
+                                        gl.NVMMASharedLayout.get_default_for([HP, BLOCK_N], gl.float16))
+    keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
+    keys_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, vl))
+    m_i = gl.full([HP], float("-inf"), gl.float32, gl.SliceLayout(0, mma_s))
+    l_i = gl.zeros([HP], gl.float32, gl.SliceLayout(0, mma_s))
+    acc = gl.zeros([D, HP], gl.float32, mma_o)
+    fence_async_shared()
+    CTA_BARRIER()  # q8 is in shared memory before the warpgroup reads it
+
+    for i in range(n_tiles):
+        st = i % STAGES
+        mbarrier.wait(bars.index(st), (i // STAGES) & 1)
+        s = warpgroup_mma(k_smem.index(st), q8_smem.permute((1, 0)), gl.zeros([BLOCK_N, HP], gl.float32, mma_s),
+                          use_acc=False)
+        s = gl.where((i * BLOCK_N + keys_s < ctx)[:, None], s * scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        p = gl.exp2(s - m_new[None, :])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        m_i = m_new
+        v = v_smem.index(st).load(vl).to(gl.float16)
+        v = gl.where((i * BLOCK_N + keys_v < ctx)[:, None], v, 0.0)
+        CTA_BARRIER()  # every warp is done with stage st (the wgmma above and the V load) before it is refilled
+        if i + STAGES < n_tiles:
+            _issue_tile(k_desc, v_desc, bt, i + STAGES, ctx, kvh, bars.index(st), k_smem.index(st),
+                        v_smem.index(st), PAGES, PAGE, D)
+        vt_smem.store(gl.permute(v, (1, 0)))
+        pt_smem.store(gl.permute(p, (1, 0)).to(gl.float16))
+        fence_async_shared()
+        CTA_BARRIER()
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, mma_o))[None, :]
+        acc = warpgroup_mma(vt_smem, pt_smem.permute((1, 0)), acc)
+        CTA_BARRIER()  # the wgmma has read vt and pt before the next tile's stores
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    # out[h, :] = acc[:, h] / l[h]
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(0, mma_o))
+    hs = gl.arange(0, HP, layout=gl.SliceLayout(0, mma_o))
+    ds = gl.arange(0, D, layout=gl.SliceLayout(1, mma_o))
+    res = (acc / gl.where(l_o == 0.0, 1.0, l_o)[None, :]).to(out_ptr.dtype.element_ty).to(gl.float32)
+    head = kvh * GROUP + hs
+    mask = (hs < GROUP)[None, :]
+    if QUANT_OUT:  # the o projection's fp8 input: one scale a (token, head), as kernels.fp8.quantize_rows
+        qs = gl.maximum(gl.max(gl.abs(res), axis=0) / fp8_max, 1e-12)
+        q8 = gl.minimum(gl.maximum(res / qs[None, :], -fp8_max), fp8_max).to(q8_ptr.dtype.element_ty)
+        gl.store(q8_ptr + tok * stride_q8t + head[None, :] * D + ds[:, None], q8, mask=mask)
+        gl.store(q8s_ptr + tok * stride_q8st + head, qs, mask=hs < GROUP)
+    else:
+        gl.store(out_ptr + tok * stride_ot + head[None, :] * stride_oh + ds[:, None], res.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+def _cache_desc(cache: torch.Tensor) -> TensorDescriptor:
+    """The cache [blocks, PAGE, Hk, D] as [blocks * PAGE, Hk * D], one page of one KV head a box [PAGE, D]."""
+    blocks, page, hk, d = cache.shape
+    layout = gl.NVMMASharedLayout.get_default_for([page, d], gl.float8e4nv)
+    return TensorDescriptor.from_tensor(cache.view(blocks * page, hk * d), [page, d], layout)
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int | None) -> bool:
+    """Whether a launch can run here: a decode batch on an sm_90 GPU over an e4m3fn cache of 16-token pages and
+    head_dim 128, at most HP q heads a KV head."""
+    return (q.is_cuda and torch.version.cuda is not None and torch.cuda.get_device_capability(q.device)[0] == 9
+            and max_query_len == 1 and k_cache.dtype == torch.float8_e4m3fn and k_cache.shape[1] == 16
+            and k_cache.shape[3] == 128 and q.shape[1] // k_cache.shape[2] <= HP.value)
+
+
+def decode_attention_wgmma(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
+                           quant: tuple[torch.dtype, int] | None = None, pdl: bool = True, stages: int = 2):
+    """q: [T, Hq, D] (one token a sequence: query_start_loc = 0..S); caches [blocks, 16, Hk, D] e4m3fn. Returns
+    [T, Hq, D] in q's dtype, or with quant = (fp8 dtype, D) the o projection's fp8 input (q8 [T, Hq * D], scales
+    [T, Hq] float32), as kernels.attention.paged_attention."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    num_seqs = query_start_loc.shape[0] - 1
+    out = torch.empty_like(q)
+    q8 = torch.empty(num_tokens, num_heads * head_dim, device=q.device, dtype=quant[0]) if quant else out
+    q8s = torch.empty(num_tokens, num_heads, device=q.device, dtype=torch.float32) if quant else out
+    if num_seqs > 0:
+        _decode_attention_wgmma_kernel[(num_seqs, num_kv_heads)](
+            _cache_desc(k_cache), _cache_desc(v_cache), q, out, q8, q8s, block_tables, seq_lens, query_start_loc,
+            scale * 1.4426950408889634, float(torch.finfo(q8.dtype).max) if quant else 1.0,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), q8.stride(0),
+            q8s.stride(0), GROUP=num_heads // num_kv_heads, STAGES=stages,
+            KV_MAX=float(torch.finfo(k_cache.dtype).max), QUANT_OUT=quant is not None, num_warps=4,
+            **launch_args(q, pdl))
+    return (q8, q8s) if quant else out

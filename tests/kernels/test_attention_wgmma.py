@@ -1,0 +1,97 @@
+"""kernels/triton/attention_wgmma.py, the decode attention on wgmma over an e4m3 cache (KernelConfig
+fp8_attention_wgmma). Without a GPU: compiled for sm_90, its QK^T is an fp8 wgmma fed by TMA and its PV an f16
+wgmma, at four programs an SM. On a GPU: against kernels.attention's reference on the same cache, with q rounded
+to e4m3 as the launch rounds it (one scale for each token's q heads of a KV head); the output closer to that
+reference than to the unrounded one (the launch did round q), and the o projection's fp8 form equal to the
+rounded output quantized by kernels.fp8.quantize_rows."""
+import re
+
+import pytest
+import torch
+
+from tests.fp8_gpu import fp8_gpu_dtype
+from tests.kernels.test_fp8 import _registers, _rel
+
+
+def _compile(quant: bool, group: int = 4, stages: int = 2):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from tandem.kernels.triton.attention_wgmma import _cache_desc, _decode_attention_wgmma_kernel
+    desc = _cache_desc(torch.empty(64, 16, 8, 128, dtype=torch.float8_e4m3fn)).__mangle__()
+    ptrs = dict(q_ptr="*bf16", out_ptr="*bf16", q8_ptr="*fp8e4nv", q8s_ptr="*fp32", block_tables_ptr="*i32",
+                seq_lens_ptr="*i32", query_start_loc_ptr="*i32")
+    ints = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt", "stride_q8t", "stride_q8st")
+    consts = dict(GROUP=group, STAGES=stages, KV_MAX=448.0, QUANT_OUT=quant, PDL=True, num_warps=4)
+    sig = {"k_desc": desc, "v_desc": desc, **ptrs, "qk_scale": "fp32", "fp8_max": "fp32", **{n: "i32" for n in ints},
+           **{n: "constexpr" for n in consts}}
+    return triton.compile(GluonASTSource(_decode_attention_wgmma_kernel, sig, constexprs=consts),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+@pytest.mark.parametrize("quant,group", [(False, 4), (True, 4), (True, 8)])
+def test_compiles_to_an_fp8_wgmma_fed_by_tma(quant, group):
+    compiled = _compile(quant, group)
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3" in ptx  # S^T = K q8^T, K as the cache holds it
+    assert "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16" in ptx  # O^T += V^T P^T
+    assert "mma.sync" not in ptx
+    assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) >= 2  # each page of K and V by TMA
+    # four programs an SM (a 64-sequence batch of 8 KV heads, 512 programs, in one wave on 132 SMs)
+    assert _registers(compiled) <= 128 and compiled.metadata.shared <= 57 * 1024, (_registers(compiled),
+                                                                                    compiled.metadata.shared)
+
+
+def _group_rounded(q: torch.Tensor, hk: int, dtype: torch.dtype) -> torch.Tensor:
+    """q [T, Hq, D] rounded to e4m3 as the launch rounds it: one scale for each token's q heads of a KV head."""
+    t, hq, d = q.shape
+    g = q.float().view(t, hk, hq // hk * d)
+    scale = g.abs().amax(-1, keepdim=True).clamp_min(1e-30) / torch.finfo(dtype).max
+    return ((g / scale).to(dtype).float() * scale).view(t, hq, d)
+
+
+def _case(ctx: list[int], hk: int, hq: int, seed: int = 0):
+    dtype = fp8_gpu_dtype()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    page, d, seqs = 16, 128, len(ctx)
+    pages = -(-max(ctx) // page) + 1  # a spare column: the table is wider than the longest sequence
+    k_cache = torch.randn(seqs * pages, page, hk, d, device="cuda", generator=g).to(dtype)
+    v_cache = torch.randn(seqs * pages, page, hk, d, device="cuda", generator=g).to(dtype)
+    q = torch.randn(seqs, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    table = torch.randperm(seqs * pages, device="cuda", dtype=torch.int32, generator=g).view(seqs, pages)
+    seq_lens = torch.tensor(ctx, device="cuda", dtype=torch.int32)
+    qsl = torch.arange(seqs + 1, device="cuda", dtype=torch.int32)
+    return q, k_cache, v_cache, table, seq_lens, qsl
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hk,hq", [(8, 32), (4, 32), (2, 4)])
+def test_matches_the_reference_on_a_decode_batch_gpu(hk, hq):
+    """64 sequences of 1..400 keys (tiles cut inside a page and between pages), Llama-3-8B's and Qwen3-30B-A3B's
+    heads, and a group of 2."""
+    from tandem.kernels.attention import paged_attention_ref
+    from tandem.kernels.triton.attention_wgmma import decode_attention_wgmma, supports
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma: Hopper")
+    ctx = [1, 16, 63, 64, 65, 400] + torch.randint(1, 400, (58,), generator=torch.Generator().manual_seed(1)).tolist()
+    q, kc, vc, table, seq_lens, qsl = _case(ctx, hk, hq)
+    assert supports(q, kc, 1)
+    out = decode_attention_wgmma(q, kc, vc, table, seq_lens, qsl, 128 ** -0.5)
+    ref = paged_attention_ref(_group_rounded(q, hk, kc.dtype).to(q.dtype), kc, vc, table, seq_lens, qsl, 128 ** -0.5)
+    exact = paged_attention_ref(q, kc, vc, table, seq_lens, qsl, 128 ** -0.5)
+    assert _rel(out, ref) < 1e-2 and _rel(out, ref) < _rel(out, exact), (_rel(out, ref), _rel(out, exact))
+
+
+@pytest.mark.gpu
+def test_quantized_output_is_the_output_quantized_gpu():
+    """QUANT_OUT: the o projection's fp8 input, as kernels.fp8.quantize_rows writes the plain output's rows."""
+    from tandem.kernels.fp8 import quantize_rows
+    from tandem.kernels.triton.attention_wgmma import decode_attention_wgmma
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma: Hopper")
+    q, kc, vc, table, seq_lens, qsl = _case([5, 130, 333, 1000], 8, 32, seed=2)
+    out = decode_attention_wgmma(q, kc, vc, table, seq_lens, qsl, 128 ** -0.5)
+    q8, q8s = decode_attention_wgmma(q, kc, vc, table, seq_lens, qsl, 128 ** -0.5, quant=(kc.dtype, 128))
+    ref8, ref_s = quantize_rows(out.flatten(1), kc.dtype, 128)
+    assert torch.equal(q8.view(torch.uint8), ref8.view(torch.uint8)) and torch.equal(q8s, ref_s.view(q8s.shape))
