@@ -24,6 +24,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from tandem.kernels.triton.device import num_sms
 from tandem.kernels.triton.pdl import launch_args
 
 TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # Triton 3.9 / 3.6
@@ -160,11 +161,13 @@ def _cache_desc(cache: torch.Tensor) -> TensorDescriptor:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int | None) -> bool:
-    """Whether a launch can run here: a decode batch on an sm_90 GPU over an e4m3fn cache of 16-token pages and
-    head_dim 128, at most HP q heads a KV head."""
+    """Whether a launch runs here: a decode batch on an sm_90 GPU over an e4m3fn cache of 16-token pages and
+    head_dim 128, at most HP q heads a KV head, whose (sequence, KV head) programs fill the GPU (no split-K here:
+    smaller batches keep the Triton kernel's split plans)."""
     return (q.is_cuda and torch.version.cuda is not None and torch.cuda.get_device_capability(q.device)[0] == 9
             and max_query_len == 1 and k_cache.dtype == torch.float8_e4m3fn and k_cache.shape[1] == 16
-            and k_cache.shape[3] == 128 and q.shape[1] // k_cache.shape[2] <= HP.value)
+            and k_cache.shape[3] == 128 and q.shape[1] // k_cache.shape[2] <= HP.value
+            and q.shape[0] * k_cache.shape[2] >= num_sms(q.device))
 
 
 def decode_attention_wgmma(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
