@@ -10,7 +10,8 @@ softmax's scale). V still passes through registers once (e4m3 -> f16, transposed
 wgmma takes 8-bit operands K-major only), then O^T [D, HP] += V^T [D, 64] @ P^T [64, HP] in f16.
 
 One program a (sequence, KV head) of a decode batch (one new token a sequence, already rotated and stored: no
-fused rope), its q heads (GROUP, padded to HP) the wgmma's N side. Tiles of 64 keys, four 16-token pages each,
+fused rope), its q heads (GROUP, padded to HP) the wgmma's N side. The first STAGES tiles but the one holding the
+new key are requested before the PDL wait (earlier steps wrote them). Tiles of 64 keys, four 16-token pages each,
 each page one TMA box [PAGE, D] of the cache viewed as [blocks * PAGE, Hk * D]; STAGES tiles in flight. Keys
 past the context read whatever page 0 holds and are masked (scores to -inf, V rows to 0).
 
@@ -73,13 +74,17 @@ def _decode_attention_wgmma_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
     fence_async_shared()
+    for i in gl.static_range(STAGES):  # tiles of old keys only (earlier steps wrote them): before the wait
+        if i < n_tiles - 1:
+            _issue_tile(k_desc, v_desc, bt, i, ctx, kvh, bars.index(i), k_smem.index(i), v_smem.index(i), PAGES, PAGE,
+                        D)
     if PDL:  # the launch ahead stored the new key and value; q comes from it too
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    for i in gl.static_range(STAGES):
-        if i < n_tiles:
-            _issue_tile(k_desc, v_desc, bt, i, ctx, kvh, bars.index(i), k_smem.index(i), v_smem.index(i), PAGES, PAGE,
-                        D)
+    last = n_tiles - 1
+    if last < STAGES:  # the tile holding the new key, when it is one of the first STAGES
+        _issue_tile(k_desc, v_desc, bt, last, ctx, kvh, bars.index(last), k_smem.index(last), v_smem.index(last),
+                    PAGES, PAGE, D)
 
     # q [HP, D] of the program's heads, in e4m3 with one scale (folded into the scores' scale)
     ql: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])

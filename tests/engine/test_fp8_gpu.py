@@ -195,3 +195,40 @@ def test_fp8_ring_experts_gpu(tmp_path, monkeypatch, fold):
         tokens[eager] = [o.token_ids for o in outs]
         _assert_decode_logprobs(ref, prompts, outs, eager)
     assert tokens[False] == tokens[True]
+
+
+def test_fp8_attention_wgmma_gpu(tmp_path, monkeypatch):
+    """--fp8-attention-wgmma (kernels/triton/attention_wgmma.py) on a two-layer Llama with Llama-3-8B's attention
+    over an fp8 KV cache, 24 sequences decoding together (24 x 8 KV heads fill an H100's or H200's 132 SMs, so the
+    batch takes it; rope and the cache store in their own launch ahead): every decode step's logprob of the token
+    it chose, in CUDA graphs and eager, against HF on the dequantized weights fed the same tokens (q rounded to
+    e4m3 on top of the fp8 cache: WIDE_TOL); the graphs' tokens equal eager's."""
+    import transformers
+
+    from tandem.kernels.triton import attention_wgmma
+    fp8_gpu_dtype()
+    calls = []
+    launch = attention_wgmma.decode_attention_wgmma
+    monkeypatch.setattr(attention_wgmma, "decode_attention_wgmma", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=4096, num_hidden_layers=2, num_attention_heads=32,
+                                   num_key_value_heads=8, head_dim=128, intermediate_size=512,
+                                   max_position_embeddings=512, tie_word_embeddings=False,
+                                   architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path / "src")
+    tensors = write_fp8_checkpoint(str(tmp_path / "src"), tmp_path / "fp8", "hf_block", block=(128, 128))
+    ref = _reference(tmp_path, str(tmp_path / "src"), tensors)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 300, (int(n),), generator=g).tolist() for n in torch.randint(5, 90, (24,), generator=g)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    tokens = {}
+    for eager in (True, False):
+        llm = LLM(str(tmp_path / "fp8"), device="cuda", dtype="bfloat16", block_size=16, kv_cache_dtype="fp8",
+                  kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False, enforce_eager=eager, max_model_len=512,
+                  max_num_seqs=32, fp8_attention_wgmma=True)
+        calls.clear()
+        outs = llm.generate(prompts, params)
+        assert calls or not eager  # (graphs captured the launches at start-up)
+        tokens[eager] = [o.token_ids for o in outs]
+        _assert_decode_logprobs(ref, prompts, outs, eager)
+    assert tokens[False] == tokens[True]

@@ -1,9 +1,10 @@
 """kernels/triton/attention_wgmma.py, the decode attention on wgmma over an e4m3 cache (KernelConfig
 fp8_attention_wgmma). Without a GPU: compiled for sm_90, its QK^T is an fp8 wgmma fed by TMA and its PV an f16
-wgmma, at four programs an SM. On a GPU: against kernels.attention's reference on the same cache, with q rounded
-to e4m3 as the launch rounds it (one scale for each token's q heads of a KV head); the output closer to that
-reference than to the unrounded one (the launch did round q), and the o projection's fp8 form equal to the
-rounded output quantized by kernels.fp8.quantize_rows."""
+wgmma, at four programs an SM, with tiles requested before the PDL wait. On a GPU: against kernels.attention's
+reference on the same cache, with q rounded to e4m3 as the launch rounds it (one scale for each token's q heads
+of a KV head); the output closer to that reference than to the unrounded one (the launch did round q), and the
+o projection's fp8 form equal to the rounded output quantized by kernels.fp8.quantize_rows. The engine's test:
+tests/engine/test_fp8_gpu.py::test_fp8_attention_wgmma_gpu."""
 import re
 
 import pytest
@@ -38,6 +39,7 @@ def test_compiles_to_an_fp8_wgmma_fed_by_tma(quant, group):
     assert "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16" in ptx  # O^T += V^T P^T
     assert "mma.sync" not in ptx
     assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) >= 2  # each page of K and V by TMA
+    assert ptx.index("cp.async.bulk.tensor") < ptx.index("griddepcontrol.wait")  # old keys' tiles before the wait
     # four programs an SM (a 64-sequence batch of 8 KV heads, 512 programs, in one wave on 132 SMs)
     assert _registers(compiled) <= 128 and compiled.metadata.shared <= 57 * 1024, (_registers(compiled),
                                                                                     compiled.metadata.shared)
