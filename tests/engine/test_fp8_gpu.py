@@ -96,6 +96,20 @@ def _assert_decode_logprobs(ref, prompts, outs, eager: bool) -> None:
             assert abs(out.logprobs[j].logprobs[0] - want) < WIDE_TOL, (eager, j)
 
 
+def _llama_8b_attention(tmp_path, intermediate: int):
+    """A two-layer Llama with Llama-3-8B's attention (hidden 4096, 32 q heads, 8 KV heads of 128), random weights,
+    written block-scaled FP8 ((128, 128) blocks) to tmp_path / "fp8"; returns HF on the dequantized weights."""
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=4096, num_hidden_layers=2, num_attention_heads=32,
+                                   num_key_value_heads=8, head_dim=128, intermediate_size=intermediate,
+                                   max_position_embeddings=512, tie_word_embeddings=False,
+                                   architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path / "src")
+    tensors = write_fp8_checkpoint(str(tmp_path / "src"), tmp_path / "fp8", "hf_block", block=(128, 128))
+    return _reference(tmp_path, str(tmp_path / "src"), tensors)
+
+
 @pytest.mark.parametrize("ring", [False, True])
 def test_fp8_tma_o_projection_gpu(tmp_path, monkeypatch, ring):
     """--fp8-tma-gemm --fp8-tma-early (kernels/triton/fp8_tma.py) on a two-layer Llama with Llama-3-8B's attention
@@ -106,8 +120,6 @@ def test_fp8_tma_o_projection_gpu(tmp_path, monkeypatch, ring):
     graphs and eager, against HF on the dequantized weights fed the same tokens; the graphs' tokens equal eager's;
     with compile-ahead, no variant of the GEMMs or of the merge compiles while the eager engine decodes."""
     from collections import Counter
-
-    import transformers
 
     from tandem.engine.layers import attention
     from tandem.kernels.compile_watch import WATCH
@@ -122,14 +134,7 @@ def test_fp8_tma_o_projection_gpu(tmp_path, monkeypatch, ring):
                         lambda *a, early, **k: earlies.append(early) or attend(*a, early=early, **k))
     # ring, intermediate 512: gate_up (1024 x 4096) on a Triton plan that quantizes ahead (1024's takes a plan
     # that quantizes in the GEMM), down (4096 x 512) on the ring's rule
-    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=4096, num_hidden_layers=2, num_attention_heads=32,
-                                   num_key_value_heads=8, head_dim=128, intermediate_size=512 if ring else 1024,
-                                   max_position_embeddings=512, tie_word_embeddings=False,
-                                   architectures=["LlamaForCausalLM"])
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path / "src")
-    tensors = write_fp8_checkpoint(str(tmp_path / "src"), tmp_path / "fp8", "hf_block", block=(128, 128))
-    ref = _reference(tmp_path, str(tmp_path / "src"), tensors)
+    ref = _llama_8b_attention(tmp_path, 512 if ring else 1024)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
     tokens = {}
     for eager in (True, False):  # eager first: no variant compiled in this process before its compile-ahead
@@ -203,21 +208,12 @@ def test_fp8_attention_wgmma_gpu(tmp_path, monkeypatch):
     batch takes it; rope and the cache store in their own launch ahead): every decode step's logprob of the token
     it chose, in CUDA graphs and eager, against HF on the dequantized weights fed the same tokens (q rounded to
     e4m3 on top of the fp8 cache: WIDE_TOL); the graphs' tokens equal eager's."""
-    import transformers
-
     from tandem.kernels.triton import attention_wgmma
     fp8_gpu_dtype()
     calls = []
     launch = attention_wgmma.decode_attention_wgmma
     monkeypatch.setattr(attention_wgmma, "decode_attention_wgmma", lambda *a, **k: calls.append(1) or launch(*a, **k))
-    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=4096, num_hidden_layers=2, num_attention_heads=32,
-                                   num_key_value_heads=8, head_dim=128, intermediate_size=512,
-                                   max_position_embeddings=512, tie_word_embeddings=False,
-                                   architectures=["LlamaForCausalLM"])
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path / "src")
-    tensors = write_fp8_checkpoint(str(tmp_path / "src"), tmp_path / "fp8", "hf_block", block=(128, 128))
-    ref = _reference(tmp_path, str(tmp_path / "src"), tensors)
+    ref = _llama_8b_attention(tmp_path, 512)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 300, (int(n),), generator=g).tolist() for n in torch.randint(5, 90, (24,), generator=g)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
