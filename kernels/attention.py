@@ -83,10 +83,9 @@ def paged_attention(
     GPU kernel's split merge lets the next launch in before its own PDL wait (kernels.fp8.tma_early). partials:
     where the GPU launch splits K over one token, its SplitPartials instead of the merged output (merged(): the
     rows [1, Hq * D], or with quant their QuantRows); where it does not split, the output as without it."""
-    wgmma = config.fp8_attention_wgmma and use_triton(q) and dense_kv is None and _wgmma_supports(q, k_cache,
-                                                                                                   max_query_len)
-    if rope is not None and (wgmma or not (config.fuse_rope and use_triton(q) and max_query_len == 1
-                                           and dense_kv is None)):
+    gpu_decode = use_triton(q) and max_query_len == 1 and dense_kv is None
+    wgmma = config.fp8_attention_wgmma and gpu_decode and _wgmma_supports(q, k_cache, max_query_len)
+    if rope is not None and (wgmma or not (config.fuse_rope and gpu_decode)):
         q = rotary_store_kvcache(rope.positions, q, rope.k, rope.v, rope.cos_sin_cache, k_cache, v_cache,
                                  rope.slot_mapping, rope.qk_norm, config=config)
         rope = None
