@@ -32,19 +32,28 @@ TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  
 CTA_BARRIER = getattr(gl, "barrier", None) or gl.thread_barrier  # 3.9 / 3.6
 BLOCK_N = gl.constexpr(64)  # keys a tile: the S^T wgmma's M over one warpgroup
 HP = gl.constexpr(8)  # a KV head's q heads, padded: the wgmma's N
+MAXNREG = 128  # four programs an SM (4 x 128 threads x 128 registers = the register file): one wave at b=64
 
 
 @gluon.jit
-def _issue_tile(k_desc, v_desc, bt, tile, ctx, kvh, bar, k_dst, v_dst, PAGES: gl.constexpr, PAGE: gl.constexpr,
-                D: gl.constexpr):
-    """Request tile `tile`'s K and V pages (block-table row bt) into k_dst / v_dst [PAGES * PAGE, D], on bar.
-    Pages past the context read page 0 (masked by the caller)."""
-    mbarrier.expect(bar, 2 * PAGES * k_desc.block_type.nbytes)
-    for j in gl.static_range(PAGES):
-        idx = tile * PAGES + j
-        page = gl.load(bt + idx, mask=idx * PAGE < ctx, other=0)
-        TMA_LOAD(k_desc, [page * PAGE, kvh * D], bar, k_dst.slice(j * PAGE, PAGE, dim=0))
-        TMA_LOAD(v_desc, [page * PAGE, kvh * D], bar, v_dst.slice(j * PAGE, PAGE, dim=0))
+def _tile_pages(bt, tile, ctx, PAGE: gl.constexpr):
+    """Tile `tile`'s four page ids (block-table row bt), requested together: one round trip, not one a page
+    (each TMA request waits on a CTA barrier, which would put every page id's load latency in series). Pages past
+    the context read page 0 (masked by the caller)."""
+    gl.static_assert(BLOCK_N == 4 * PAGE)
+    b = tile * 4
+    return (gl.load(bt + b, mask=b * PAGE < ctx, other=0), gl.load(bt + b + 1, mask=(b + 1) * PAGE < ctx, other=0),
+            gl.load(bt + b + 2, mask=(b + 2) * PAGE < ctx, other=0),
+            gl.load(bt + b + 3, mask=(b + 3) * PAGE < ctx, other=0))
+
+
+@gluon.jit
+def _issue_tile(k_desc, v_desc, pages, kvh, bar, k_dst, v_dst, PAGE: gl.constexpr, D: gl.constexpr):
+    """Request a tile's K and V pages (_tile_pages) into k_dst / v_dst [4 * PAGE, D], on bar."""
+    mbarrier.expect(bar, 8 * k_desc.block_type.nbytes)
+    for j in gl.static_range(4):
+        TMA_LOAD(k_desc, [pages[j] * PAGE, kvh * D], bar, k_dst.slice(j * PAGE, PAGE, dim=0))
+        TMA_LOAD(v_desc, [pages[j] * PAGE, kvh * D], bar, v_dst.slice(j * PAGE, PAGE, dim=0))
 
 
 @gluon.jit
@@ -58,7 +67,6 @@ def _decode_attention_wgmma_kernel(
     kvh = gl.program_id(1)
     PAGE: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = k_desc.block_type.shape[1]
-    PAGES: gl.constexpr = BLOCK_N // PAGE
     kdt: gl.constexpr = k_desc.dtype
     tok = gl.load(query_start_loc_ptr + seq).to(gl.int64)
     if gl.load(query_start_loc_ptr + seq + 1) == tok:
@@ -76,15 +84,15 @@ def _decode_attention_wgmma_kernel(
     fence_async_shared()
     for i in gl.static_range(STAGES):  # tiles of old keys only (earlier steps wrote them): before the wait
         if i < n_tiles - 1:
-            _issue_tile(k_desc, v_desc, bt, i, ctx, kvh, bars.index(i), k_smem.index(i), v_smem.index(i), PAGES, PAGE,
-                        D)
+            _issue_tile(k_desc, v_desc, _tile_pages(bt, i, ctx, PAGE), kvh, bars.index(i), k_smem.index(i),
+                        v_smem.index(i), PAGE, D)
     if PDL:  # the launch ahead stored the new key and value; q comes from it too
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     last = n_tiles - 1
-    if last < STAGES:  # the tile holding the new key, when it is one of the first STAGES
-        _issue_tile(k_desc, v_desc, bt, last, ctx, kvh, bars.index(last), k_smem.index(last), v_smem.index(last),
-                    PAGES, PAGE, D)
+    if last >= 0 and last < STAGES:  # the tile holding the new key, when it is one of the first STAGES
+        _issue_tile(k_desc, v_desc, _tile_pages(bt, last, ctx, PAGE), kvh, bars.index(last), k_smem.index(last),
+                    v_smem.index(last), PAGE, D)
 
     # q [HP, D] of the program's heads, in e4m3 with one scale (folded into the scores' scale)
     ql: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
@@ -102,8 +110,8 @@ def _decode_attention_wgmma_kernel(
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, HP, 16])
     vl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])  # a V tile [BLOCK_N, D]
-    vt_smem = gl.allocate_shared_memory(gl.float16, [D, BLOCK_N],
-                                        gl.NVMMASharedLayout.get_default_for([D, BLOCK_N], gl.float16))
+    vf_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_N, D],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float16))
     pt_smem = gl.allocate_shared_memory(gl.float16, [HP, BLOCK_N],
                                         gl.NVMMASharedLayout.get_default_for([HP, BLOCK_N], gl.float16))
     keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
@@ -116,6 +124,7 @@ def _decode_attention_wgmma_kernel(
 
     for i in range(n_tiles):
         st = i % STAGES
+        refill = _tile_pages(bt, i + STAGES, ctx, PAGE)  # requested now, used once stage st is free
         mbarrier.wait(bars.index(st), (i // STAGES) & 1)
         s = warpgroup_mma(k_smem.index(st), q8_smem.permute((1, 0)), gl.zeros([BLOCK_N, HP], gl.float32, mma_s),
                           use_acc=False)
@@ -129,14 +138,13 @@ def _decode_attention_wgmma_kernel(
         v = gl.where((i * BLOCK_N + keys_v < ctx)[:, None], v, 0.0)
         CTA_BARRIER()  # every warp is done with stage st (the wgmma above and the V load) before it is refilled
         if i + STAGES < n_tiles:
-            _issue_tile(k_desc, v_desc, bt, i + STAGES, ctx, kvh, bars.index(st), k_smem.index(st),
-                        v_smem.index(st), PAGES, PAGE, D)
-        vt_smem.store(gl.permute(v, (1, 0)))
+            _issue_tile(k_desc, v_desc, refill, kvh, bars.index(st), k_smem.index(st), v_smem.index(st), PAGE, D)
+        vf_smem.store(v)
         pt_smem.store(gl.permute(p, (1, 0)).to(gl.float16))
         fence_async_shared()
         CTA_BARRIER()
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, mma_o))[None, :]
-        acc = warpgroup_mma(vt_smem, pt_smem.permute((1, 0)), acc)
+        acc = warpgroup_mma(vf_smem.permute((1, 0)), pt_smem.permute((1, 0)), acc)
         CTA_BARRIER()  # the wgmma has read vt and pt before the next tile's stores
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
@@ -193,5 +201,5 @@ def decode_attention_wgmma(q, k_cache, v_cache, block_tables, seq_lens, query_st
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), q8.stride(0),
             q8s.stride(0), GROUP=num_heads // num_kv_heads, STAGES=stages,
             KV_MAX=float(torch.finfo(k_cache.dtype).max), QUANT_OUT=quant is not None, num_warps=4,
-            **launch_args(q, pdl))
+            maxnreg=MAXNREG, **launch_args(q, pdl))
     return (q8, q8s) if quant else out

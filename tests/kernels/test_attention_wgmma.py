@@ -19,7 +19,7 @@ def _compile(quant: bool, group: int = 4, stages: int = 2):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from tandem.kernels.triton.attention_wgmma import _cache_desc, _decode_attention_wgmma_kernel
+    from tandem.kernels.triton.attention_wgmma import MAXNREG, _cache_desc, _decode_attention_wgmma_kernel
     desc = _cache_desc(torch.empty(64, 16, 8, 128, dtype=torch.float8_e4m3fn)).__mangle__()
     ptrs = dict(q_ptr="*bf16", out_ptr="*bf16", q8_ptr="*fp8e4nv", q8s_ptr="*fp32", block_tables_ptr="*i32",
                 seq_lens_ptr="*i32", query_start_loc_ptr="*i32")
@@ -28,7 +28,7 @@ def _compile(quant: bool, group: int = 4, stages: int = 2):
     sig = {"k_desc": desc, "v_desc": desc, **ptrs, "qk_scale": "fp32", "fp8_max": "fp32", **{n: "i32" for n in ints},
            **{n: "constexpr" for n in consts}}
     return triton.compile(GluonASTSource(_decode_attention_wgmma_kernel, sig, constexprs=consts),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAXNREG))
 
 
 @pytest.mark.parametrize("quant,group", [(False, 4), (True, 4), (True, 8)])
