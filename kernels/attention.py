@@ -85,7 +85,7 @@ def paged_attention(
     rows [1, Hq * D], or with quant their QuantRows); where it does not split, the output as without it."""
     gpu_decode = use_triton(q) and max_query_len == 1 and dense_kv is None
     wgmma = config.fp8_attention_wgmma and gpu_decode and _wgmma_supports(q, k_cache, max_query_len)
-    if rope is not None and (wgmma or not (config.fuse_rope and gpu_decode)):
+    if rope is not None and not (config.fuse_rope and gpu_decode):
         q = rotary_store_kvcache(rope.positions, q, rope.k, rope.v, rope.cos_sin_cache, k_cache, v_cache,
                                  rope.slot_mapping, rope.qk_norm, config=config)
         rope = None
@@ -93,7 +93,7 @@ def paged_attention(
     if wgmma:
         from tandem.kernels.triton.attention_wgmma import decode_attention_wgmma
         out = decode_attention_wgmma(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, quant,
-                                     config.pdl)
+                                     config.pdl, rope=rope)
         return QuantRows(*out, quant[1], q.dtype) if quant else out
     if use_triton(q):
         from tandem.kernels.triton.attention import paged_attention_triton

@@ -38,7 +38,8 @@ class KernelConfig:
     fp8_attention_wgmma: bool = field(default=False, metadata={"help": (
         "decode batches over an e4m3 KV cache on Hopper run kernels/triton/attention_wgmma.py: K by TMA straight "
         "into an fp8 wgmma (q quantized to e4m3, one scale a token's group of q heads), V once through registers "
-        "into an f16 wgmma; rope and the cache store run in a launch of their own ahead of it")})
+        "into an f16 wgmma; with --fuse-rope it also normalizes and rotates q and the new key and stores the key and "
+        "value (the new key taken from registers), else those run in a launch of their own ahead of it")})
     fp8_moe_w8a16: bool = field(default=True, metadata={"help": (
         "at decode sizes (<= 16 tokens on a GPU with FP8, every expert here) FP8 experts run on the routed "
         "bf16 expert kernels reading the fp8 weights (W8A16: routing in the first GEMM, no activation "

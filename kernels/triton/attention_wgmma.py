@@ -6,14 +6,19 @@ dot's operand through shared memory again (benchmarks/RESULTS.md). Triton lowers
 to bf16 mma.sync with both operands converted, so there is no cheaper K in Triton. Here the K tile goes by TMA
 into shared memory and straight into an fp8 wgmma, swapped so that the tile's 64 keys are the wgmma's M side:
 S^T [64 keys, HP] = K [64, D] @ q8^T [D, HP], q quantized to e4m3 (one scale for the program's q heads, in the
-softmax's scale). V still passes through registers once (e4m3 -> f16, transposed into shared memory:
-wgmma takes 8-bit operands K-major only), then O^T [D, HP] += V^T [D, 64] @ P^T [64, HP] in f16.
+softmax's scale). V still passes through registers once (e4m3 -> f16, stored untransposed into shared memory:
+wgmma takes 8-bit operands K-major only, 16-bit ones either way), then O^T [D, HP] += V^T [D, 64] @ P^T [64, HP]
+in f16, V^T an MN-major view of that tile.
 
-One program a (sequence, KV head) of a decode batch (one new token a sequence, already rotated and stored: no
-fused rope), its q heads (GROUP, padded to HP) the wgmma's N side. The first STAGES tiles but the one holding the
-new key are requested before the PDL wait (earlier steps wrote them). Tiles of 64 keys, four 16-token pages each,
-each page one TMA box [PAGE, D] of the cache viewed as [blocks * PAGE, Hk * D]; STAGES tiles in flight. Keys
-past the context read whatever page 0 holds and are masked (scores to -inf, V rows to 0).
+One program a (sequence, KV head) of a decode batch (one new token a sequence), its q heads (GROUP, padded to HP)
+the wgmma's N side. Tiles of 64 keys, four 16-token pages each, each page one TMA box [PAGE, D] of the cache
+viewed as [blocks * PAGE, Hk * D]; STAGES tiles in flight; a tile's page ids are loaded together, a refill's at
+the top of the iteration that requests it, ahead of its wait. Keys past the context read whatever page 0 holds
+and are masked (scores to -inf, V rows to 0). Without ROPE, q is rotated and the new key stored by the launch
+ahead: the first STAGES tiles but the one holding the new key are requested before the PDL wait (earlier steps
+wrote them). With ROPE, the program normalizes (QK_NORM) and rotates its q heads and its KV head's new key,
+stores the key and value, and takes them from registers after the loop: every tile holds earlier keys only, all
+requested before the wait.
 
 Gluon has no interpreter: CPU tests compile it for sm_90; its numbers are checked against kernels.attention's
 reference on a GPU (tests/kernels/test_attention_wgmma.py).
@@ -57,11 +62,30 @@ def _issue_tile(k_desc, v_desc, pages, kvh, bar, k_dst, v_dst, PAGE: gl.constexp
 
 
 @gluon.jit
+def _norm_rotate(rows, mask, d, partner, cos, sin, w_ptr, eps, NORM: gl.constexpr, D: gl.constexpr):
+    """Rows [R, D] at rows + d, RMS-normalized with w (NORM; rounded as rms_norm_ref rounds) and rotated
+    NeoX-style, x * cos + x[partner] * sin (sin carries the sign), in float32: kernels/triton/attention.py's
+    _norm_rotate in Gluon."""
+    x = gl.load(rows + d[None, :], mask=mask, other=0.0).to(gl.float32)
+    xp = gl.load(rows + partner[None, :], mask=mask, other=0.0).to(gl.float32)
+    if NORM:
+        ty: gl.constexpr = rows.dtype.element_ty
+        rstd = gl.rsqrt(gl.sum(x * x, axis=1) / D + eps)[:, None]
+        w = gl.load(w_ptr + d).to(gl.float32)[None, :]
+        wp = gl.load(w_ptr + partner).to(gl.float32)[None, :]
+        x = ((x * rstd).to(ty).to(gl.float32) * w).to(ty).to(gl.float32)
+        xp = ((xp * rstd).to(ty).to(gl.float32) * wp).to(ty).to(gl.float32)
+    return x * cos[None, :] + xp * sin[None, :]
+
+
+@gluon.jit
 def _decode_attention_wgmma_kernel(
     k_desc, v_desc, q_ptr, out_ptr, q8_ptr, q8s_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, pos_ptr, cos_sin_ptr, slot_ptr, qw_ptr, kw_ptr, eps,
     qk_scale, fp8_max, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_q8t, stride_q8st,
+    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs,
     GROUP: gl.constexpr, STAGES: gl.constexpr, KV_MAX: gl.constexpr, QUANT_OUT: gl.constexpr, PDL: gl.constexpr,
-    num_warps: gl.constexpr,
+    ROPE: gl.constexpr, QK_NORM: gl.constexpr, ROT: gl.constexpr, num_warps: gl.constexpr,
 ):
     seq = gl.program_id(0)
     kvh = gl.program_id(1)
@@ -72,7 +96,11 @@ def _decode_attention_wgmma_kernel(
     if gl.load(query_start_loc_ptr + seq + 1) == tok:
         return  # a sequence without a token here (graph padding)
     ctx = gl.load(seq_lens_ptr + seq)
-    n_tiles = (ctx + BLOCK_N - 1) // BLOCK_N
+    if ROPE:  # the new key and value come from registers (below): the tiles hold the earlier keys only
+        n_keys = ctx - 1
+    else:
+        n_keys = ctx
+    n_tiles = (n_keys + BLOCK_N - 1) // BLOCK_N
     bt = block_tables_ptr + seq.to(gl.int64) * stride_bt
 
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], kdt)
@@ -82,27 +110,54 @@ def _decode_attention_wgmma_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
     fence_async_shared()
+    if ROPE:
+        n_old = n_tiles
+    else:  # the last tile holds the new key, stored by the launch ahead
+        n_old = n_tiles - 1
     for i in gl.static_range(STAGES):  # tiles of old keys only (earlier steps wrote them): before the wait
-        if i < n_tiles - 1:
-            _issue_tile(k_desc, v_desc, _tile_pages(bt, i, ctx, PAGE), kvh, bars.index(i), k_smem.index(i),
+        if i < n_old:
+            _issue_tile(k_desc, v_desc, _tile_pages(bt, i, n_keys, PAGE), kvh, bars.index(i), k_smem.index(i),
                         v_smem.index(i), PAGE, D)
-    if PDL:  # the launch ahead stored the new key and value; q comes from it too
+    if PDL:  # the launch ahead wrote q (and the new key and value, stored by it or below)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    last = n_tiles - 1
-    if last >= 0 and last < STAGES:  # the tile holding the new key, when it is one of the first STAGES
-        _issue_tile(k_desc, v_desc, _tile_pages(bt, last, ctx, PAGE), kvh, bars.index(last), k_smem.index(last),
-                    v_smem.index(last), PAGE, D)
+    if not ROPE:
+        last = n_tiles - 1
+        if last >= 0 and last < STAGES:  # the tile holding the new key, when it is one of the first STAGES
+            _issue_tile(k_desc, v_desc, _tile_pages(bt, last, n_keys, PAGE), kvh, bars.index(last),
+                        k_smem.index(last), v_smem.index(last), PAGE, D)
 
     # q [HP, D] of the program's heads, in e4m3 with one scale (folded into the scores' scale)
     ql: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
     hq = gl.arange(0, HP, layout=gl.SliceLayout(1, ql))
     dq = gl.arange(0, D, layout=gl.SliceLayout(0, ql))
-    q = gl.load(q_ptr + tok * stride_qt + (kvh * GROUP + hq)[:, None] * stride_qh + dq[None, :],
-                mask=(hq < GROUP)[:, None], other=0.0).to(gl.float32)
+    q_rows = q_ptr + tok * stride_qt + (kvh * GROUP + hq)[:, None] * stride_qh
+    q_mask = (hq < GROUP)[:, None] & (dq < D)[None, :]
+    if ROPE:  # q and the new key normalized (QK_NORM) and rotated here, the key and value stored
+        half: gl.constexpr = ROT // 2
+        rot = dq < ROT
+        partner = gl.where(rot, gl.where(dq < half, dq + half, dq - half), dq)
+        pos = gl.load(pos_ptr + tok).to(gl.int64)
+        cos = gl.load(cos_sin_ptr + pos * stride_cs + partner % half, mask=rot, other=1.0).to(gl.float32)
+        sin = gl.load(cos_sin_ptr + pos * stride_cs + half + partner % half, mask=rot, other=0.0).to(gl.float32)
+        sin = gl.where(dq < half, -sin, sin)
+        q = _norm_rotate(q_rows, q_mask, dq, partner, cos, sin, qw_ptr, eps, QK_NORM, D)
+        q = q.to(q_ptr.dtype.element_ty).to(gl.float32)  # (as rotary_store_kvcache writes it)
+        row = gl.zeros([1, 1], gl.int64, ql)
+        k8 = _norm_rotate(k_new_ptr + tok * stride_knt + kvh * stride_knh + row, (dq < D)[None, :], dq, partner, cos,
+                          sin, kw_ptr, eps, QK_NORM, D).to(kdt)
+        v8 = gl.load(v_new_ptr + tok * stride_vnt + kvh * stride_vnh + row + dq[None, :]).to(kdt)
+        slot = gl.load(slot_ptr + tok).to(gl.int64)
+        if slot >= 0:  # (the cache is contiguous: a slot's row of KV heads after another's)
+            at = slot * (gl.num_programs(1) * D) + kvh * D + row + dq[None, :]
+            gl.store(k_cache_ptr + at, k8)
+            gl.store(v_cache_ptr + at, v8)
+    else:
+        q = gl.load(q_rows + dq[None, :], mask=q_mask, other=0.0).to(gl.float32)
     q_scale = gl.maximum(gl.max(gl.max(gl.abs(q), axis=1), axis=0), 1e-30) / KV_MAX
+    q8 = (q / q_scale).to(kdt)
     q8_smem = gl.allocate_shared_memory(kdt, [HP, D], gl.NVMMASharedLayout.get_default_for([HP, D], kdt))
-    q8_smem.store((q / q_scale).to(kdt))
+    q8_smem.store(q8)
     scale = qk_scale * q_scale
 
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -119,23 +174,26 @@ def _decode_attention_wgmma_kernel(
     m_i = gl.full([HP], float("-inf"), gl.float32, gl.SliceLayout(0, mma_s))
     l_i = gl.zeros([HP], gl.float32, gl.SliceLayout(0, mma_s))
     acc = gl.zeros([D, HP], gl.float32, mma_o)
+    if ROPE:  # the new key's scores (q as the wgmma takes it) and its value, for after the loop
+        s_new = gl.convert_layout(gl.sum(q8.to(gl.float32) * k8.to(gl.float32), axis=1), gl.SliceLayout(0, mma_s))
+        v_new = gl.convert_layout(gl.sum(v8.to(gl.float32), axis=0), gl.SliceLayout(1, mma_o))
     fence_async_shared()
     CTA_BARRIER()  # q8 is in shared memory before the warpgroup reads it
 
     for i in range(n_tiles):
         st = i % STAGES
-        refill = _tile_pages(bt, i + STAGES, ctx, PAGE)  # requested now, used once stage st is free
+        refill = _tile_pages(bt, i + STAGES, n_keys, PAGE)  # requested now, used once stage st is free
         mbarrier.wait(bars.index(st), (i // STAGES) & 1)
         s = warpgroup_mma(k_smem.index(st), q8_smem.permute((1, 0)), gl.zeros([BLOCK_N, HP], gl.float32, mma_s),
                           use_acc=False)
-        s = gl.where((i * BLOCK_N + keys_s < ctx)[:, None], s * scale, float("-inf"))
+        s = gl.where((i * BLOCK_N + keys_s < n_keys)[:, None], s * scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
         p = gl.exp2(s - m_new[None, :])
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, axis=0)
         m_i = m_new
         v = v_smem.index(st).load(vl).to(gl.float16)
-        v = gl.where((i * BLOCK_N + keys_v < ctx)[:, None], v, 0.0)
+        v = gl.where((i * BLOCK_N + keys_v < n_keys)[:, None], v, 0.0)
         CTA_BARRIER()  # every warp is done with stage st (the wgmma above and the V load) before it is refilled
         if i + STAGES < n_tiles:
             _issue_tile(k_desc, v_desc, refill, kvh, bars.index(st), k_smem.index(st), v_smem.index(st), PAGE, D)
@@ -148,6 +206,14 @@ def _decode_attention_wgmma_kernel(
         CTA_BARRIER()  # the wgmma has read vt and pt before the next tile's stores
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
+    if ROPE:  # the new key, last (an online softmax takes its keys in any order)
+        s_new = s_new * scale
+        m_new = gl.maximum(m_i, s_new)
+        alpha = gl.exp2(m_i - m_new)
+        p_new = gl.exp2(s_new - m_new)
+        l_i = l_i * alpha + p_new
+        acc = (acc * gl.convert_layout(alpha, gl.SliceLayout(0, mma_o))[None, :]
+               + v_new[:, None] * gl.convert_layout(p_new, gl.SliceLayout(0, mma_o))[None, :])
 
     # out[h, :] = acc[:, h] / l[h]
     l_o = gl.convert_layout(l_i, gl.SliceLayout(0, mma_o))
@@ -184,22 +250,39 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int | None) 
 
 
 def decode_attention_wgmma(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
-                           quant: tuple[torch.dtype, int] | None = None, pdl: bool = True, stages: int = 2):
-    """q: [T, Hq, D] (one token a sequence: query_start_loc = 0..S); caches [blocks, 16, Hk, D] e4m3fn. Returns
-    [T, Hq, D] in q's dtype, or with quant = (fp8 dtype, D) the o projection's fp8 input (q8 [T, Hq * D], scales
-    [T, Hq] float32), as kernels.attention.paged_attention."""
+                           quant: tuple[torch.dtype, int] | None = None, pdl: bool = True, stages: int = 2,
+                           rope=None):
+    """q: [T, Hq, D] (one token a sequence: query_start_loc = 0..S); caches [blocks, 16, Hk, D] e4m3fn, contiguous.
+    Returns [T, Hq, D] in q's dtype, or with quant = (fp8 dtype, D) the o projection's fp8 input (q8 [T, Hq * D],
+    scales [T, Hq] float32), as kernels.attention.paged_attention. rope (kernels.attention.NewTokens): q and the
+    new keys are raw; each program normalizes (qk_norm) and rotates its q heads and its KV head's new key, stores
+    the key and value, and takes them from registers, as rotary_store_kvcache then this launch would (q is not
+    written back)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = query_start_loc.shape[0] - 1
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     q8 = torch.empty(num_tokens, num_heads * head_dim, device=q.device, dtype=quant[0]) if quant else out
     q8s = torch.empty(num_tokens, num_heads, device=q.device, dtype=torch.float32) if quant else out
+    if rope is not None:
+        for t in (q, rope.k, rope.v, rope.cos_sin_cache):
+            if t.stride(-1) != 1:
+                raise ValueError(f"attention with rope needs a unit stride on the last dim, got strides {t.stride()}")
+        q_w, k_w, eps = rope.qk_norm if rope.qk_norm is not None else (q, q, 0.0)  # unused without norm
+        rope_ptrs = (rope.k, rope.v, rope.positions, rope.cos_sin_cache, rope.slot_mapping, q_w, k_w, eps)
+        rope_strides = (rope.k.stride(0), rope.k.stride(1), rope.v.stride(0), rope.v.stride(1),
+                        rope.cos_sin_cache.stride(0))
+    else:
+        rope_ptrs, rope_strides = (q, q, q, q, q, q, q, 0.0), (0, 0, 0, 0, 0)
     if num_seqs > 0:
         _decode_attention_wgmma_kernel[(num_seqs, num_kv_heads)](
             _cache_desc(k_cache), _cache_desc(v_cache), q, out, q8, q8s, block_tables, seq_lens, query_start_loc,
-            scale * 1.4426950408889634, float(torch.finfo(q8.dtype).max) if quant else 1.0,
+            k_cache, v_cache, *rope_ptrs, scale * 1.4426950408889634,
+            float(torch.finfo(q8.dtype).max) if quant else 1.0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), q8.stride(0),
-            q8s.stride(0), GROUP=num_heads // num_kv_heads, STAGES=stages,
-            KV_MAX=float(torch.finfo(k_cache.dtype).max), QUANT_OUT=quant is not None, num_warps=4,
-            maxnreg=MAXNREG, **launch_args(q, pdl))
+            q8s.stride(0), *rope_strides, GROUP=num_heads // num_kv_heads, STAGES=stages,
+            KV_MAX=float(torch.finfo(k_cache.dtype).max), QUANT_OUT=quant is not None,
+            ROPE=rope is not None, QK_NORM=rope is not None and rope.qk_norm is not None,
+            ROT=rope.cos_sin_cache.shape[-1] if rope is not None else 0, num_warps=4, maxnreg=MAXNREG,
+            **launch_args(q, pdl))
     return (q8, q8s) if quant else out

@@ -3,7 +3,8 @@ fp8_attention_wgmma). Without a GPU: compiled for sm_90, its QK^T is an fp8 wgmm
 wgmma, at four programs an SM, with tiles requested before the PDL wait. On a GPU: against kernels.attention's
 reference on the same cache, with q rounded to e4m3 as the launch rounds it (one scale for each token's q heads
 of a KV head); the output closer to that reference than to the unrounded one (the launch did round q), and the
-o projection's fp8 form equal to the rounded output quantized by kernels.fp8.quantize_rows. The engine's test:
+o projection's fp8 form equal to the rounded output quantized by kernels.fp8.quantize_rows; with rope fused, the
+caches and output as rotary_store_kvcache then the launch without rope leave them. The engine's test:
 tests/engine/test_fp8_gpu.py::test_fp8_attention_wgmma_gpu."""
 import re
 
@@ -14,7 +15,7 @@ from tests.fp8_gpu import fp8_gpu_dtype
 from tests.kernels.test_fp8 import _registers, _rel
 
 
-def _compile(quant: bool, group: int = 4, stages: int = 2):
+def _compile(quant: bool, group: int = 4, stages: int = 2, rope: bool = False, qk_norm: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -22,9 +23,13 @@ def _compile(quant: bool, group: int = 4, stages: int = 2):
     from tandem.kernels.triton.attention_wgmma import MAXNREG, _cache_desc, _decode_attention_wgmma_kernel
     desc = _cache_desc(torch.empty(64, 16, 8, 128, dtype=torch.float8_e4m3fn)).__mangle__()
     ptrs = dict(q_ptr="*bf16", out_ptr="*bf16", q8_ptr="*fp8e4nv", q8s_ptr="*fp32", block_tables_ptr="*i32",
-                seq_lens_ptr="*i32", query_start_loc_ptr="*i32")
-    ints = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt", "stride_q8t", "stride_q8st")
-    consts = dict(GROUP=group, STAGES=stages, KV_MAX=448.0, QUANT_OUT=quant, PDL=True, num_warps=4)
+                seq_lens_ptr="*i32", query_start_loc_ptr="*i32", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv",
+                k_new_ptr="*bf16", v_new_ptr="*bf16", pos_ptr="*i64", cos_sin_ptr="*fp32", slot_ptr="*i64",
+                qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32")
+    ints = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt", "stride_q8t", "stride_q8st",
+            "stride_knt", "stride_knh", "stride_vnt", "stride_vnh", "stride_cs")
+    consts = dict(GROUP=group, STAGES=stages, KV_MAX=448.0, QUANT_OUT=quant, PDL=True, ROPE=rope, QK_NORM=qk_norm,
+                  ROT=128 if rope else 0, num_warps=4)
     sig = {"k_desc": desc, "v_desc": desc, **ptrs, "qk_scale": "fp32", "fp8_max": "fp32", **{n: "i32" for n in ints},
            **{n: "constexpr" for n in consts}}
     return triton.compile(GluonASTSource(_decode_attention_wgmma_kernel, sig, constexprs=consts),
@@ -41,6 +46,22 @@ def test_compiles_to_an_fp8_wgmma_fed_by_tma(quant, group):
     assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) >= 2  # each page of K and V by TMA
     assert ptx.index("cp.async.bulk.tensor") < ptx.index("griddepcontrol.wait")  # old keys' tiles before the wait
     # four programs an SM (a 64-sequence batch of 8 KV heads, 512 programs, in one wave on 132 SMs)
+    assert _registers(compiled) <= 128 and compiled.metadata.shared <= 57 * 1024, (_registers(compiled),
+                                                                                    compiled.metadata.shared)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_fused_rope_compiles_with_every_tile_before_the_wait(qk_norm):
+    """With rope fused (the program rotates q and the new key and stores the key and value), the new key comes
+    from registers: every tile holds earlier keys only, so the first tiles are all requested before the PDL wait
+    and none outside the loop after it; still four programs an SM."""
+    compiled = _compile(True, 4, rope=True, qk_norm=qk_norm)
+    ptx = compiled.asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    loop = ptx.index("mbarrier.try_wait")  # the first tile's wait opens the loop
+    assert "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3" in ptx
+    assert ptx[:wait].count("cp.async.bulk.tensor") == 2 * 8  # two stages of four K and four V pages
+    assert "cp.async.bulk.tensor" not in ptx[wait:loop]
     assert _registers(compiled) <= 128 and compiled.metadata.shared <= 57 * 1024, (_registers(compiled),
                                                                                     compiled.metadata.shared)
 
@@ -97,3 +118,41 @@ def test_quantized_output_is_the_output_quantized_gpu():
     q8, q8s = decode_attention_wgmma(q, kc, vc, table, seq_lens, qsl, 128 ** -0.5, quant=(kc.dtype, 128))
     ref8, ref_s = quantize_rows(out.flatten(1), kc.dtype, 128)
     assert torch.equal(q8.view(torch.uint8), ref8.view(torch.uint8)) and torch.equal(q8s, ref_s.view(q8s.shape))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hk,hq,qk_norm", [(8, 32, False), (4, 32, True)])
+def test_fused_rope_matches_the_separate_launch_gpu(hk, hq, qk_norm):
+    """rope fused (NewTokens): the caches as rotary_store_kvcache leaves them (values bit for bit, keys within
+    rounding: fp32 -> e4m3 either way) and the output as that launch then this one without rope gives it (the new
+    key from registers, not from its tile), and near the reference with q rounded as the launch rounds it; contexts
+    where the new key is the only one, ends a tile, starts one, and sits inside one."""
+    from tandem.kernels.attention import NewTokens, paged_attention_ref
+    from tandem.kernels.rotary import build_cos_sin_cache, rotary_store_kvcache, rotary_store_kvcache_ref
+    from tandem.kernels.triton.attention_wgmma import decode_attention_wgmma
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma: Hopper")
+    ctx = [1, 2, 64, 65, 17, 400] + torch.randint(1, 400, (58,), generator=torch.Generator().manual_seed(3)).tolist()
+    _, kc, vc, table, seq_lens, qsl = _case(ctx, hk, hq, seed=4)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    qkv = torch.randn(len(ctx), hq + 2 * hk, 128, device="cuda", generator=g).to(torch.bfloat16)
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
+    positions = seq_lens.long() - 1
+    slots = table[torch.arange(len(ctx), device="cuda"), positions // 16].long() * 16 + positions % 16
+    cache = build_cos_sin_cache(1.0 / (1e6 ** (torch.arange(0, 128, 2, device="cuda").float() / 128)), 9000)
+    norm = ((1 + 0.1 * torch.randn(128, device="cuda", generator=g)).to(torch.bfloat16),
+            (1 + 0.1 * torch.randn(128, device="cuda", generator=g)).to(torch.bfloat16), 1e-6) if qk_norm else None
+    kc1, vc1 = kc.clone(), vc.clone()
+    q1 = rotary_store_kvcache(positions, q.clone(), k, v, cache, kc1, vc1, slots, norm)
+    apart = decode_attention_wgmma(q1, kc1, vc1, table, seq_lens, qsl, 128 ** -0.5)
+    kc2, vc2, q_before = kc.clone(), vc.clone(), q.clone()
+    fused = decode_attention_wgmma(q, kc2, vc2, table, seq_lens, qsl, 128 ** -0.5,
+                                   rope=NewTokens(positions, k, v, cache, slots, norm))
+    assert torch.equal(vc2.view(torch.uint8), vc1.view(torch.uint8)) and torch.equal(q, q_before)
+    assert _rel(kc2.float(), kc1.float()) < 1e-2
+    assert _rel(fused, apart) < 5e-3, _rel(fused, apart)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q_ref = rotary_store_kvcache_ref(positions, q.clone(), k.clone(), v.clone(), cache, kc_ref, vc_ref, slots, norm)
+    ref = paged_attention_ref(_group_rounded(q_ref, hk, kc.dtype).to(q.dtype), kc_ref, vc_ref, table, seq_lens, qsl,
+                              128 ** -0.5)
+    assert _rel(fused, ref) < 1e-2, _rel(fused, ref)
