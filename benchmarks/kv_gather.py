@@ -15,9 +15,12 @@ pair reads them with no block table (each program one contiguous run, the same t
 and newer, TMA rows copy each page's rows of the head by a tensor descriptor, several pages in flight
 without the program's registers (what a TMA-fed attention's reads could do); one
 row times a torch copy of K (the same bytes moved: K read, written back): the copy rate at this
-size, against the 4 GiB copy the ceiling is measured on.
+size, against the 4 GiB copy the ceiling is measured on. The attention rows (attention_rows) time the Triton
+decode attention and, on Hopper, the wgmma one (kernels/triton/attention_wgmma.py) over the same cache, alone and
+as the engine's decode step takes them (rope fused, fp8 output); --attention-only runs just those.
 
   python -m benchmarks.kv_gather --batch 64 --context 1024
+  python -m benchmarks.kv_gather --batch 64 --context 1024 --attention-only
 """
 import argparse
 import json
@@ -163,6 +166,39 @@ def caches(seqs: int, ctx: int, device: str, seed: int = 0):
     return k, v, table
 
 
+def attention_rows(rows: list, floor_us: float, q, k8, v8, table, seq_lens, qsl, context: int) -> None:
+    """The decode attention over the same cache (one query a sequence): the Triton kernel's rule plan and, on
+    Hopper, kernels/triton/attention_wgmma.py at 1-3 stages; then each as the engine's decode step takes it, rope
+    fused (raw q and new keys: q and the new key rotated, the key and value stored) and the output quantized for
+    the o projection. Rows and lines as main's."""
+    from benchmarks.kernels import bench
+    from tandem.kernels.attention import NewTokens
+    from tandem.kernels.rotary import build_cos_sin_cache
+    from tandem.kernels.triton.attention import paged_attention_triton
+    scale, seqs, hq = D ** -0.5, q.shape[0], q.shape[1]
+    fns = {"attention NHD (the rule's plan)": lambda: paged_attention_triton(q, k8, v8, table, seq_lens, qsl, scale,
+                                                                             1, context)}
+    qkv = torch.randn(seqs, hq + 2 * HK, D, device=q.device).to(torch.bfloat16)
+    pos = seq_lens.long() - 1
+    slots = table[torch.arange(seqs, device=q.device), pos // PAGE].long() * PAGE + pos % PAGE
+    cos_sin = build_cos_sin_cache(1.0 / (5e5 ** (torch.arange(0, D, 2, device=q.device).float() / D)), context + 1)
+    rope = NewTokens(pos, qkv[:, hq:hq + HK], qkv[:, hq + HK:], cos_sin, slots)
+    quant = (k8.dtype, D)
+    fns["attention NHD, rope fused, fp8 out"] = lambda: paged_attention_triton(
+        qkv[:, :hq], k8, v8, table, seq_lens, qsl, scale, 1, context, rope=rope, quant=quant)
+    if torch.cuda.get_device_capability() == (9, 0):
+        from tandem.kernels.triton.attention_wgmma import decode_attention_wgmma
+        for stages in (1, 2, 3):
+            fns[f"attention wgmma, {stages} stages"] = (
+                lambda st=stages: decode_attention_wgmma(q, k8, v8, table, seq_lens, qsl, scale, stages=st))
+        fns["attention wgmma, rope fused, fp8 out"] = lambda: decode_attention_wgmma(
+            qkv[:, :hq], k8, v8, table, seq_lens, qsl, scale, quant, rope=rope)
+    for what, fn in fns.items():
+        us = bench(fn) * 1e3
+        rows.append(dict(what=what, us=us, of_copy=floor_us / us))
+        print(f"{what}: {us:.1f} us ({floor_us / us:.0%} of the copy rate)", flush=True)
+
+
 def main() -> None:
     from benchmarks.kernels import bench
     from benchmarks.roofline import copy_bandwidth
@@ -170,6 +206,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=1024, help="keys a sequence (a multiple of 128)")
+    ap.add_argument("--attention-only", action="store_true",
+                    help="only the attention rows (the Triton kernel's and, on Hopper, the wgmma one's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     bw = copy_bandwidth()
@@ -195,19 +233,19 @@ def main() -> None:
     def gathered(kc, vc, tab, hnd_layout, plan):
         return lambda: gather(kc, vc, tab, args.context, hnd_layout, plan)
 
-    for plan in PLANS:
+    for plan in [] if args.attention_only else PLANS:
         run("gather NHD", plan, gathered(k, v, table, False, plan), ref, xor_reduce)
         run("gather HND", plan, gathered(*hnd, table, True, plan), ref, xor_reduce)
     in_order_ref = gather_ref(k, v, in_order, args.context)
     programs = args.batch * HK
     flat_ref = flat_read_ref(k, v, programs)
-    for plan in (PLANS[0], PLANS[4]):
+    for plan in [] if args.attention_only else (PLANS[0], PLANS[4]):
         # the same reads with each sequence's pages in order (no shuffle); the same bytes and tiles with no
         # block table, each program one contiguous run
         run("gather NHD, pages in order", plan, gathered(k, v, in_order, False, plan), in_order_ref, xor_reduce)
         run(f"flat read (no block table, {programs} programs)", plan, lambda: flat_read(k, v, programs, plan),
             flat_ref)
-    if torch.cuda.get_device_capability() >= (9, 0):  # TMA: the reads in flight without the program's registers
+    if torch.cuda.get_device_capability() >= (9, 0) and not args.attention_only:  # TMA: reads without registers
         for warps, stages in TMA_PLANS:
             run(f"TMA gather NHD, a page a turn, {stages - 1} pages in flight", (PAGE, warps, stages, 1),
                 lambda: tma_gather(k, v, table, args.context, warps, stages), ref)
@@ -224,9 +262,7 @@ def main() -> None:
     k8, v8 = (c.view(torch.float8_e4m3fn) for c in (k, v))
     seq_lens = torch.full((args.batch,), args.context, dtype=torch.int32, device="cuda")
     qsl = torch.arange(args.batch + 1, dtype=torch.int32, device="cuda")
-    us = bench(lambda: paged_attention_triton(q, k8, v8, table, seq_lens, qsl, D ** -0.5, 1, args.context)) * 1e3
-    rows.append(dict(what="attention NHD (the rule's plan)", us=us, of_copy=floor_us / us))
-    print(f"attention over the NHD cache, the rule's plan: {us:.1f} us ({floor_us / us:.0%} of the copy rate)")
+    attention_rows(rows, floor_us, q, k8, v8, table, seq_lens, qsl, args.context)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), copy_gbs=bw / 1e9, batch=args.batch,
