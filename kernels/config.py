@@ -37,7 +37,7 @@ class KernelConfig:
         "--fp8-int-convert says")})
     fp8_attention_wgmma: bool = field(default=False, metadata={"help": (
         "decode batches over an e4m3 KV cache on Hopper run kernels/triton/attention_wgmma.py: K by TMA straight "
-        "into an fp8 wgmma (q quantized to e4m3, one scale a token's group of q heads), V once through registers "
+        "into fp8 wgmmas (q as two e4m3 parts, its rounding and the residual's), V once through registers "
         "into an f16 wgmma; with --fuse-rope it also normalizes and rotates q and the new key and stores the key and "
         "value (the new key taken from registers), else those run in a launch of their own ahead of it")})
     fp8_moe_w8a16: bool = field(default=True, metadata={"help": (

@@ -5,10 +5,11 @@ third of their wait on shared memory: each K and V tile goes global -> shared (f
 dot's operand through shared memory again (benchmarks/RESULTS.md). Triton lowers an fp8 dot of 16 rows on sm_90
 to bf16 mma.sync with both operands converted, so there is no cheaper K in Triton. Here the K tile goes by TMA
 into shared memory and straight into an fp8 wgmma, swapped so that the tile's 64 keys are the wgmma's M side:
-S^T [64 keys, HP] = K [64, D] @ q8^T [D, HP], q quantized to e4m3 (one scale for the program's q heads, in the
-softmax's scale). V still passes through registers once (e4m3 -> f16, stored untransposed into shared memory:
-wgmma takes 8-bit operands K-major only, 16-bit ones either way), then O^T [D, HP] += V^T [D, 64] @ P^T [64, HP]
-in f16, V^T an MN-major view of that tile.
+S^T [64 keys, HP] = K [64, D] @ q8^T [D, HP] + (the same for q's residual r8): q taken as two e4m3 parts, its
+rounding and the rounding of what that leaves, a scale each for the program's q heads (q to about 2^-8 of its
+magnitude; e4m3 alone, 2^-4). V still passes through registers once (e4m3 -> f16, stored untransposed into
+shared memory: wgmma takes 8-bit operands K-major only, 16-bit ones either way), then O^T [D, HP] += V^T [D, 64]
+@ P^T [64, HP] in f16, V^T an MN-major view of that tile.
 
 One program a (sequence, KV head) of a decode batch (one new token a sequence), its q heads (GROUP, padded to HP)
 the wgmma's N side. Tiles of 64 keys, four 16-token pages each, each page one TMA box [PAGE, D] of the cache
@@ -154,11 +155,19 @@ def _decode_attention_wgmma_kernel(
             gl.store(v_cache_ptr + at, v8)
     else:
         q = gl.load(q_rows + dq[None, :], mask=q_mask, other=0.0).to(gl.float32)
+    # q as two e4m3 parts, its rounding and the residual's, a scale each for the program's q heads: q to about 2^-8
+    # of its magnitude (e4m3 alone: 2^-4), for a second tiny wgmma a tile
     q_scale = gl.maximum(gl.max(gl.max(gl.abs(q), axis=1), axis=0), 1e-30) / KV_MAX
     q8 = (q / q_scale).to(kdt)
-    q8_smem = gl.allocate_shared_memory(kdt, [HP, D], gl.NVMMASharedLayout.get_default_for([HP, D], kdt))
+    r = q - q8.to(gl.float32) * q_scale
+    r_scale = gl.maximum(gl.max(gl.max(gl.abs(r), axis=1), axis=0), 1e-30) / KV_MAX
+    q8_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, D], kdt)
+    q8_smem = gl.allocate_shared_memory(kdt, [HP, D], q8_layout)
     q8_smem.store(q8)
+    r8_smem = gl.allocate_shared_memory(kdt, [HP, D], q8_layout)
+    r8_smem.store((r / r_scale).to(kdt))
     scale = qk_scale * q_scale
+    r_ratio = r_scale / q_scale  # (the residual's scores in units of the rounding's)
 
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, HP, 32])
@@ -174,11 +183,11 @@ def _decode_attention_wgmma_kernel(
     m_i = gl.full([HP], float("-inf"), gl.float32, gl.SliceLayout(0, mma_s))
     l_i = gl.zeros([HP], gl.float32, gl.SliceLayout(0, mma_s))
     acc = gl.zeros([D, HP], gl.float32, mma_o)
-    if ROPE:  # the new key's scores (q as the wgmma takes it) and its value, for after the loop
-        s_new = gl.convert_layout(gl.sum(q8.to(gl.float32) * k8.to(gl.float32), axis=1), gl.SliceLayout(0, mma_s))
+    if ROPE:  # the new key's scores (in the tiles' units) and its value, for after the loop
+        s_new = gl.convert_layout(gl.sum(q * k8.to(gl.float32), axis=1) / q_scale, gl.SliceLayout(0, mma_s))
         v_new = gl.convert_layout(gl.sum(v8.to(gl.float32), axis=0), gl.SliceLayout(1, mma_o))
     fence_async_shared()
-    CTA_BARRIER()  # q8 is in shared memory before the warpgroup reads it
+    CTA_BARRIER()  # q's parts are in shared memory before the warpgroup reads them
 
     for i in range(n_tiles):
         st = i % STAGES
@@ -186,6 +195,8 @@ def _decode_attention_wgmma_kernel(
         mbarrier.wait(bars.index(st), (i // STAGES) & 1)
         s = warpgroup_mma(k_smem.index(st), q8_smem.permute((1, 0)), gl.zeros([BLOCK_N, HP], gl.float32, mma_s),
                           use_acc=False)
+        s = s + r_ratio * warpgroup_mma(k_smem.index(st), r8_smem.permute((1, 0)),
+                                        gl.zeros([BLOCK_N, HP], gl.float32, mma_s), use_acc=False)
         s = gl.where((i * BLOCK_N + keys_s < n_keys)[:, None], s * scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
         p = gl.exp2(s - m_new[None, :])

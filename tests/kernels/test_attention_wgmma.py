@@ -1,9 +1,9 @@
 """kernels/triton/attention_wgmma.py, the decode attention on wgmma over an e4m3 cache (KernelConfig
 fp8_attention_wgmma). Without a GPU: compiled for sm_90, its QK^T is an fp8 wgmma fed by TMA and its PV an f16
 wgmma, at four programs an SM, with tiles requested before the PDL wait. On a GPU: against kernels.attention's
-reference on the same cache, with q rounded to e4m3 as the launch rounds it (one scale for each token's q heads
-of a KV head); the output closer to that reference than to the unrounded one (the launch did round q), and the
-o projection's fp8 form equal to the rounded output quantized by kernels.fp8.quantize_rows; with rope fused, the
+reference on the same cache, within 5e-3 and at most a quarter of the error q rounded to e4m3 once gives (the
+launch takes q as two e4m3 parts, its rounding and the residual's), and the o projection's fp8 form equal to the
+plain output quantized by kernels.fp8.quantize_rows; with rope fused, the
 caches and output as rotary_store_kvcache then the launch without rope leave them. The engine's test:
 tests/engine/test_fp8_gpu.py::test_fp8_attention_wgmma_gpu."""
 import re
@@ -40,7 +40,8 @@ def _compile(quant: bool, group: int = 4, stages: int = 2, rope: bool = False, q
 def test_compiles_to_an_fp8_wgmma_fed_by_tma(quant, group):
     compiled = _compile(quant, group)
     ptx = compiled.asm["ptx"]
-    assert "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3" in ptx  # S^T = K q8^T, K as the cache holds it
+    # S^T = K q8^T + K r8^T (q's two e4m3 parts, 4 steps of 32 each), K as the cache holds it
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3") == 2 * 4
     assert "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16" in ptx  # O^T += V^T P^T
     assert "mma.sync" not in ptx
     assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) >= 2  # each page of K and V by TMA
@@ -67,7 +68,8 @@ def test_fused_rope_compiles_with_every_tile_before_the_wait(qk_norm):
 
 
 def _group_rounded(q: torch.Tensor, hk: int, dtype: torch.dtype) -> torch.Tensor:
-    """q [T, Hq, D] rounded to e4m3 as the launch rounds it: one scale for each token's q heads of a KV head."""
+    """q [T, Hq, D] rounded to e4m3 once (the launch's first part of q): one scale for each token's q heads of a KV
+    head."""
     t, hq, d = q.shape
     g = q.float().view(t, hk, hq // hk * d)
     scale = g.abs().amax(-1, keepdim=True).clamp_min(1e-30) / torch.finfo(dtype).max
@@ -101,9 +103,12 @@ def test_matches_the_reference_on_a_decode_batch_gpu(hk, hq):
     q, kc, vc, table, seq_lens, qsl = _case(ctx, hk, hq)
     assert supports(q, kc, 1) == (hk * 64 >= torch.cuda.get_device_properties(0).multi_processor_count)
     out = decode_attention_wgmma(q, kc, vc, table, seq_lens, qsl, 128 ** -0.5)
-    ref = paged_attention_ref(_group_rounded(q, hk, kc.dtype).to(q.dtype), kc, vc, table, seq_lens, qsl, 128 ** -0.5)
     exact = paged_attention_ref(q, kc, vc, table, seq_lens, qsl, 128 ** -0.5)
-    assert _rel(out, ref) < 1e-2 and _rel(out, ref) < _rel(out, exact), (_rel(out, ref), _rel(out, exact))
+    rounded = paged_attention_ref(_group_rounded(q, hk, kc.dtype).to(q.dtype), kc, vc, table, seq_lens, qsl,
+                                  128 ** -0.5)
+    # q's two e4m3 parts: far closer to the reference than q rounded to e4m3 once
+    assert _rel(out, exact) < 5e-3 and _rel(out, exact) < 0.25 * _rel(rounded, exact), (_rel(out, exact),
+                                                                                         _rel(rounded, exact))
 
 
 @pytest.mark.gpu
@@ -125,7 +130,7 @@ def test_quantized_output_is_the_output_quantized_gpu():
 def test_fused_rope_matches_the_separate_launch_gpu(hk, hq, qk_norm):
     """rope fused (NewTokens): the caches as rotary_store_kvcache leaves them (values bit for bit, keys within
     rounding: fp32 -> e4m3 either way) and the output as that launch then this one without rope gives it (the new
-    key from registers, not from its tile), and near the reference with q rounded as the launch rounds it; contexts
+    key from registers, not from its tile), and near the reference; contexts
     where the new key is the only one, ends a tile, starts one, and sits inside one."""
     from tandem.kernels.attention import NewTokens, paged_attention_ref
     from tandem.kernels.rotary import build_cos_sin_cache, rotary_store_kvcache, rotary_store_kvcache_ref
@@ -153,6 +158,5 @@ def test_fused_rope_matches_the_separate_launch_gpu(hk, hq, qk_norm):
     assert _rel(fused, apart) < 5e-3, _rel(fused, apart)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     q_ref = rotary_store_kvcache_ref(positions, q.clone(), k.clone(), v.clone(), cache, kc_ref, vc_ref, slots, norm)
-    ref = paged_attention_ref(_group_rounded(q_ref, hk, kc.dtype).to(q.dtype), kc_ref, vc_ref, table, seq_lens, qsl,
-                              128 ** -0.5)
-    assert _rel(fused, ref) < 1e-2, _rel(fused, ref)
+    ref = paged_attention_ref(q_ref, kc_ref, vc_ref, table, seq_lens, qsl, 128 ** -0.5)
+    assert _rel(fused, ref) < 5e-3, _rel(fused, ref)
