@@ -166,6 +166,45 @@ def caches(seqs: int, ctx: int, device: str, seed: int = 0):
     return k, v, table
 
 
+def gather_rows(rows: list, floor_us: float, k, v, table, ctx: int) -> None:
+    """The gathers (module docstring) over the one-byte caches, each checked against its torch reference, then
+    timed: rows and lines as main's."""
+    from benchmarks.kernels import bench
+    seqs = table.shape[0]
+    ref = gather_ref(k, v, table, ctx)
+    hnd = (head_major(k), head_major(v))
+    in_order = torch.arange(table.numel(), dtype=torch.int32, device="cuda").view_as(table)
+
+    def run(what, plan, fn, want, combine=lambda out: out):
+        """combine(fn()) checked against want, then fn alone timed; a row and a line for it."""
+        if not torch.equal(combine(fn()), want):
+            raise SystemExit(f"{what} {plan}: the result differs from the reference")
+        us = bench(fn) * 1e3
+        rows.append(dict(what=what, plan=plan, us=us, of_copy=floor_us / us))
+        print(f"{what} BLOCK_N {plan[0]:3d} warps {plan[1]:2d} stages {plan[2]} split {plan[3]}: {us:7.1f} us "
+              f"({floor_us / us:.0%} of the copy rate)", flush=True)
+
+    def gathered(kc, vc, tab, hnd_layout, plan):
+        return lambda: gather(kc, vc, tab, ctx, hnd_layout, plan)
+
+    for plan in PLANS:
+        run("gather NHD", plan, gathered(k, v, table, False, plan), ref, xor_reduce)
+        run("gather HND", plan, gathered(*hnd, table, True, plan), ref, xor_reduce)
+    in_order_ref = gather_ref(k, v, in_order, ctx)
+    programs = seqs * HK
+    flat_ref = flat_read_ref(k, v, programs)
+    for plan in (PLANS[0], PLANS[4]):
+        # the same reads with each sequence's pages in order (no shuffle); the same bytes and tiles with no
+        # block table, each program one contiguous run
+        run("gather NHD, pages in order", plan, gathered(k, v, in_order, False, plan), in_order_ref, xor_reduce)
+        run(f"flat read (no block table, {programs} programs)", plan, lambda: flat_read(k, v, programs, plan),
+            flat_ref)
+    if torch.cuda.get_device_capability() >= (9, 0):  # TMA: the reads in flight without the program's registers
+        for warps, stages in TMA_PLANS:
+            run(f"TMA gather NHD, a page a turn, {stages - 1} pages in flight", (PAGE, warps, stages, 1),
+                lambda: tma_gather(k, v, table, ctx, warps, stages), ref)
+
+
 def attention_rows(rows: list, floor_us: float, q, k8, v8, table, seq_lens, qsl, context: int) -> None:
     """The decode attention over the same cache (one query a sequence): the Triton kernel's rule plan and, on
     Hopper, kernels/triton/attention_wgmma.py at 1-3 stages; then each as the engine's decode step takes it, rope
@@ -202,7 +241,6 @@ def attention_rows(rows: list, floor_us: float, q, k8, v8, table, seq_lens, qsl,
 def main() -> None:
     from benchmarks.kernels import bench
     from benchmarks.roofline import copy_bandwidth
-    from tandem.kernels.triton.attention import paged_attention_triton
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=1024, help="keys a sequence (a multiple of 128)")
@@ -216,39 +254,9 @@ def main() -> None:
     floor_us = kv_bytes / bw * 1e6
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s; {args.batch} sequences x {args.context} keys, "
           f"K+V {kv_bytes / 1e6:.1f} MB: floor {floor_us:.1f} us", flush=True)
-    ref = gather_ref(k, v, table, args.context)
-    hnd = (head_major(k), head_major(v))
-    in_order = torch.arange(table.numel(), dtype=torch.int32, device="cuda").view_as(table)
     rows = []
-
-    def run(what, plan, fn, want, combine=lambda out: out):
-        """combine(fn()) checked against want, then fn alone timed; a row and a line for it."""
-        if not torch.equal(combine(fn()), want):
-            raise SystemExit(f"{what} {plan}: the result differs from the reference")
-        us = bench(fn) * 1e3
-        rows.append(dict(what=what, plan=plan, us=us, of_copy=floor_us / us))
-        print(f"{what} BLOCK_N {plan[0]:3d} warps {plan[1]:2d} stages {plan[2]} split {plan[3]}: {us:7.1f} us "
-              f"({floor_us / us:.0%} of the copy rate)", flush=True)
-
-    def gathered(kc, vc, tab, hnd_layout, plan):
-        return lambda: gather(kc, vc, tab, args.context, hnd_layout, plan)
-
-    for plan in [] if args.attention_only else PLANS:
-        run("gather NHD", plan, gathered(k, v, table, False, plan), ref, xor_reduce)
-        run("gather HND", plan, gathered(*hnd, table, True, plan), ref, xor_reduce)
-    in_order_ref = gather_ref(k, v, in_order, args.context)
-    programs = args.batch * HK
-    flat_ref = flat_read_ref(k, v, programs)
-    for plan in [] if args.attention_only else (PLANS[0], PLANS[4]):
-        # the same reads with each sequence's pages in order (no shuffle); the same bytes and tiles with no
-        # block table, each program one contiguous run
-        run("gather NHD, pages in order", plan, gathered(k, v, in_order, False, plan), in_order_ref, xor_reduce)
-        run(f"flat read (no block table, {programs} programs)", plan, lambda: flat_read(k, v, programs, plan),
-            flat_ref)
-    if torch.cuda.get_device_capability() >= (9, 0) and not args.attention_only:  # TMA: reads without registers
-        for warps, stages in TMA_PLANS:
-            run(f"TMA gather NHD, a page a turn, {stages - 1} pages in flight", (PAGE, warps, stages, 1),
-                lambda: tma_gather(k, v, table, args.context, warps, stages), ref)
+    if not args.attention_only:
+        gather_rows(rows, floor_us, k, v, table, args.context)
     # the copy rate at this size: a torch copy of K (its bytes read and written: the gather's bytes)
     dst = torch.empty_like(k)
     us = bench(lambda: dst.copy_(k)) * 1e3
