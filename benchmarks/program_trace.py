@@ -165,18 +165,19 @@ def format_launch(label: str, la: dict) -> str:
 
 
 class TracedLaunches:
-    """While installed, the TMA GEMM (fp8_tma_linear), the ring GEMMs and experts, and the paged attention with its
-    split merge, launched during a CUDA graph capture, stamp their programs' clocks into buffers of their own (cut
-    from one zeroed arena allocated before the capture: kernels/triton/trace.py Trace), appended to `launches` as
-    (name, buffer) in launch order; each replay of the graph rewrites them."""
+    """While installed, the TMA GEMM (fp8_tma_linear), the ring GEMMs and experts (two launches, or one: "moe"), and
+    the paged attention with its split merge, launched during a CUDA graph capture, stamp their programs' clocks into
+    buffers of their own (cut from one zeroed arena allocated before the capture: kernels/triton/trace.py Trace),
+    appended to `launches` as (name, buffer) in launch order; each replay of the graph rewrites them."""
 
     def __init__(self, device: str = "cuda"):
-        from tandem.kernels.triton import attention, fp8_tma
+        from tandem.kernels.triton import attention, fp8_tma, fp8_tma_moe
         from tandem.kernels.triton.trace import Trace
         self.launches = Trace(1 << 18, torch.device(device))  # (16 MB; take() says so where a capture outgrows it)
         self._undo = []
         for module, name in ((fp8_tma, "fp8_tma_linear"), (fp8_tma, "fp8_tma_ring_linear"),
-                             (fp8_tma, "fp8_tma_ring_experts"), (attention, "_paged_attention")):
+                             (fp8_tma, "fp8_tma_ring_experts"), (fp8_tma_moe, "fp8_tma_fused_experts"),
+                             (attention, "_paged_attention")):
             plain = getattr(module, name)
 
             def traced(*args, _plain=plain, **kwargs):

@@ -397,13 +397,29 @@ def routed_experts_ring(x: torch.Tensor, router_logits: torch.Tensor | None, w13
         xq, xs = quantize_rows_triton(x, w13.dtype, 128, config.pdl)
     residual, norm_weight = norm_out if norm_out is not None else (None, None)
     bufs = _sg_quant(quant, x.shape[0], w2.shape[1], x.device, config) if norm_out is not None else None
-    out, sg, ss = fp8_tma_ring_experts(xq, xs, w13, scales[0], w2, scales[1], ids, weights, x.dtype, norm_in,
-                                       residual, norm_weight, config.pdl, config.fp8_tma_ring_early,
-                                       ids_late=router_logits is None, silu_out=config.fp8_tma_ring_moe_silu,
-                                       sg_quant=bufs, ranked=ranked)
+    if _fused_experts(ranked, w13, top_k, config):
+        from tandem.kernels.triton.fp8_tma_moe import fp8_tma_fused_experts
+        out, sg, ss = fp8_tma_fused_experts(xq, xs, w13, scales[0], w2, scales[1], ranked[0], top_k, renormalize,
+                                            x.dtype, norm_in, residual, norm_weight, config.pdl, bufs)
+    else:
+        out, sg, ss = fp8_tma_ring_experts(xq, xs, w13, scales[0], w2, scales[1], ids, weights, x.dtype, norm_in,
+                                           residual, norm_weight, config.pdl, config.fp8_tma_ring_early,
+                                           ids_late=router_logits is None, silu_out=config.fp8_tma_ring_moe_silu,
+                                           sg_quant=bufs, ranked=ranked)
     if norm_out is None:
         return out
     return (out, sg, ss) if bufs is None else (out, sg, ss, _sg_rows(bufs, sg))
+
+
+def _fused_experts(ranked: tuple | None, w13: torch.Tensor, top_k: int, config: KernelConfig) -> bool:
+    """Whether routed_experts_ring's experts run as one persistent launch (kernels/triton/fp8_tma_moe.py):
+    config.fp8_tma_ring_moe_fused, the router logits of one token ranked by the experts at softmax scoring, a shape
+    it takes."""
+    if not (config.fp8_tma_ring_moe_fused and ranked is not None and ranked[0].dim() == 1 and ranked[3] == "softmax"):
+        return False
+    from tandem.kernels.triton.fp8_tma_moe import fused_supports
+    e, two_i, h = w13.shape
+    return fused_supports(h, two_i // 2, top_k, e)
 
 
 def _sg_quant(spec: tuple[torch.dtype, int] | None, m: int, n: int, device: torch.device,

@@ -195,9 +195,11 @@ def _merged_head(pacc_ptr, pml_ptr, h, ctx, dtype: gl.constexpr, S: gl.constexpr
 @gluon.jit
 def _finish(acc, out_ptr, part_ptr, ticket_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, pid_k, N, stride_om,
             stride_gm, SPLIT: gl.constexpr, NORM_OUT: gl.constexpr, sq_ptr, sqs_ptr, fp8_max, QUANT_SG: gl.constexpr,
-            router_ptr, plog_ptr, num_experts, ROUTER: gl.constexpr, E_PAD: gl.constexpr, num_warps: gl.constexpr):
+            router_ptr, plog_ptr, num_experts, ROUTER: gl.constexpr, E_PAD: gl.constexpr, num_warps: gl.constexpr,
+            STRIPS_OUT: gl.constexpr = 0):
     """A program's acc [BN, BM] (out.T over its K share) -> out: SPLIT > 1, float32 partials and a ticket, the
-    strip's last program sums them (kernels/triton/device.py); then _write_out, and with ROUTER _router_partial."""
+    strip's last program sums them (kernels/triton/device.py); then _write_out (STRIPS_OUT as it takes it), and with
+    ROUTER _router_partial."""
     BM_: gl.constexpr = acc.shape[1]
     if SPLIT > 1:
         gl.store(part_ptr + (pid_k * BM_ + rm[None, :]) * N + rn[:, None], acc, mask=mask)
@@ -210,7 +212,7 @@ def _finish(acc, out_ptr, part_ptr, ticket_ptr, sg_ptr, ss_ptr, r, g, rm, rn, ma
                 total += gl.load(part_ptr + (sp * BM_ + rm[None, :]) * N + rn[:, None], mask=mask, other=0.0,
                                  cache_modifier=".cg")
             sgv = _write_out(total, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_om, stride_gm,
-                             NORM_OUT, sq_ptr, sqs_ptr, fp8_max, QUANT_SG)
+                             NORM_OUT, sq_ptr, sqs_ptr, fp8_max, QUANT_SG, STRIPS_OUT)
             if ROUTER:
                 _router_partial(sgv, rm, wr, plog_ptr, pid_n, num_experts)
             gl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
@@ -218,7 +220,7 @@ def _finish(acc, out_ptr, part_ptr, ticket_ptr, sg_ptr, ss_ptr, r, g, rm, rn, ma
         if ROUTER:
             wr = _router_load(router_ptr, pid_n, N, num_experts, E_PAD, acc.shape[0], num_warps)
         sgv = _write_out(acc, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_om, stride_gm, NORM_OUT,
-                         sq_ptr, sqs_ptr, fp8_max, QUANT_SG)
+                         sq_ptr, sqs_ptr, fp8_max, QUANT_SG, STRIPS_OUT)
         if ROUTER:
             _router_partial(sgv, rm, wr, plog_ptr, pid_n, num_experts)
 
@@ -518,12 +520,14 @@ def _key_logit(key, dtype: gl.constexpr):
 
 @gluon.jit
 def _silu_out(acc, part_ptr, ticket_ptr, aq_ptr, as_ptr, out_ptr, fp8_max, rm, rn, mask, pid_n, pid_k, M, N,
-              STRIPS: gl.constexpr, SPLIT: gl.constexpr):
+              STRIPS: gl.constexpr, SPLIT: gl.constexpr, done_ptr=None, SIGNAL: gl.constexpr = False):
     """SILU_OUT's epilogue: acc [BN, BM] is strip pid_n's K share pid_k (STRIPS strips a pair: its gate's, then its
     up's). The partial goes to part [SPLIT, BM, N]; the last of the 2 * SPLIT programs of gate strip j and up strip
     j + STRIPS / 2 sums both (each rounded to the output dtype, as gate_up would hold them), and writes silu(gate)
     * up rounded, quantized as one group of 128 columns: aq[pair, j * 128 + c], as[pair, j]. mask (the rows below
-    M; a strip's rows are all within N) serves the partials' reads as it did their writes."""
+    M; a strip's rows are all within N) serves the partials' reads as it did their writes. SIGNAL: that program
+    then raises done_ptr[pair], the pair's count of groups written (release), for readers in the same launch
+    (kernels/triton/fp8_tma_moe.py)."""
     BN_: gl.constexpr = acc.shape[0]
     BM_: gl.constexpr = acc.shape[1]
     HALF: gl.constexpr = STRIPS // 2
@@ -549,6 +553,9 @@ def _silu_out(acc, part_ptr, ticket_ptr, aq_ptr, as_ptr, out_ptr, fp8_max, rm, r
         gl.store(aq_ptr + pair * (HALF * BN_) + j * BN_ + rr[:, None] + rm[None, :] * 0, q, mask=mask)
         gl.store(as_ptr + pair * HALF + j + rm * 0, s, mask=rm < M)
         gl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
+        if SIGNAL:
+            CTA_BARRIER()  # every thread's stores are made before the count is raised
+            gl.atomic_add(done_ptr + pair, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -561,28 +568,32 @@ def _quant_group(y, fp8_max, q_ty: gl.constexpr):
 
 @gluon.jit
 def _write_out(acc, out_ptr, sg_ptr, ss_ptr, r, g, rm, rn, mask, pid_n, stride_om, stride_gm, NORM_OUT: gl.constexpr,
-               sq_ptr, sqs_ptr, fp8_max, QUANT_SG: gl.constexpr):
+               sq_ptr, sqs_ptr, fp8_max, QUANT_SG: gl.constexpr, STRIPS_OUT: gl.constexpr = 0):
     """acc [BN, BM] (out.T) -> out; NORM_OUT: out = s = acc (rounded) + the residual r [BN, BM], sg = s * g [BN]
     rounded, and the strip's sums of squares of s's rows at ss [BM, strips] (kernels/triton/linear.py's
-    pend_norm). QUANT_SG (with NORM_OUT): sg's rows also quantized as one group of the strip's BN columns, as
+    pend_norm; strips: STRIPS_OUT, or with 0 the grid's first axis, a program a strip there). QUANT_SG (with NORM_OUT): sg's rows also quantized as one group of the strip's BN columns, as
     quantize_rows_triton quantizes them (sq [M, N] fp8 with sg's row stride, sqs [BM, strips] float32; rows past
     M: scale 1e-12), the next FP8 GEMM's input with the norm still pending (kernels.fp8.fp8_linear_normed).
     Returns sg as written (NORM_OUT), else out."""
     y = acc.to(out_ptr.dtype.element_ty)
     out_ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
+    if STRIPS_OUT > 0:
+        strips = STRIPS_OUT
+    else:
+        strips = gl.num_programs(0)
     if NORM_OUT:
         s = (y.to(gl.float32) + r).to(y.dtype)
         gl.store(out_ptrs, s, mask=mask)
         sf = gl.where(mask, s.to(gl.float32), 0.0)
-        gl.store(ss_ptr + rm * gl.num_programs(0) + pid_n, gl.sum(sf * sf, axis=0))
+        gl.store(ss_ptr + rm * strips + pid_n, gl.sum(sf * sf, axis=0))
         if rm.shape[0] == 8:  # (fp8_tma_linear's 8-row programs) ss keeps 16 rows: those past 8 hold zeros
-            gl.store(ss_ptr + (rm + 8) * gl.num_programs(0) + pid_n, gl.zeros_like(rm).to(gl.float32))
+            gl.store(ss_ptr + (rm + 8) * strips + pid_n, gl.zeros_like(rm).to(gl.float32))
         sgv = (sf * g[:, None]).to(y.dtype)
         gl.store(sg_ptr + rm[None, :] * stride_gm + rn[:, None], sgv, mask=mask)
         if QUANT_SG:
             q, sc = _quant_group(gl.where(mask, sgv.to(gl.float32), 0.0), fp8_max, sq_ptr.dtype.element_ty)
             gl.store(sq_ptr + rm[None, :] * stride_gm + rn[:, None], q, mask=mask)
-            gl.store(sqs_ptr + rm * gl.num_programs(0) + pid_n, sc)
+            gl.store(sqs_ptr + rm * strips + pid_n, sc)
     else:
         gl.store(out_ptrs, y, mask=mask)
         sgv = y

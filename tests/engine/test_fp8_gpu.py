@@ -155,8 +155,8 @@ def test_fp8_tma_o_projection_gpu(tmp_path, monkeypatch, ring):
     assert tokens[False] == tokens[True]
 
 
-@pytest.mark.parametrize("fold", [False, True])
-def test_fp8_ring_experts_gpu(tmp_path, monkeypatch, fold):
+@pytest.mark.parametrize("variant", ["ring", "fold", "fused"])
+def test_fp8_ring_experts_gpu(tmp_path, monkeypatch, variant):
     """--fp8-tma-ring-moe (kernels/triton/fp8_tma.py fp8_tma_ring_experts) on a two-layer Qwen3-MoE with
     Qwen3-30B-A3B's expert shapes (hidden 2048, 768 an expert, top 8; 16 experts) and (128, 128) blocks, in 1-row
     decode steps: every decode step's logprob of the token it chose, in CUDA graphs and eager, against HF on the
@@ -164,15 +164,20 @@ def test_fp8_ring_experts_gpu(tmp_path, monkeypatch, fold):
     and over the 300-token prompt (contexts the attention splits) the o projection's TMA GEMM merging the
     attention's split-K partials (--fp8-tma-merge: its 8 MiB weight is not let in early); fold
     (--fp8-tma-ring-moe-fold): that GEMM also wrote the router GEMM's partials in every 1-row step, so no routing
-    launch ran in those steps."""
+    launch ran in those steps; fused (--fp8-tma-ring-moe-fused): w13 and w2 as one launch
+    (kernels/triton/fp8_tma_moe.py) in every 1-row step, the two-launch form in none."""
     import transformers
 
     from tandem.kernels.linear import SplitPartials
-    from tandem.kernels.triton import fp8_tma, routing
+    from tandem.kernels.triton import fp8_tma, fp8_tma_moe, routing
     fp8_gpu_dtype()
-    calls, merged, routes, folded = [], [], [], []
+    fold, fused = variant == "fold", variant == "fused"
+    calls, merged, routes, folded, fused_calls = [], [], [], [], []
     launch, o_launch, route = fp8_tma.fp8_tma_ring_experts, fp8_tma.fp8_tma_linear, routing.route_token_triton
+    fused_launch = fp8_tma_moe.fp8_tma_fused_experts
     monkeypatch.setattr(fp8_tma, "fp8_tma_ring_experts", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    monkeypatch.setattr(fp8_tma_moe, "fp8_tma_fused_experts",
+                        lambda *a, **k: fused_calls.append(1) or fused_launch(*a, **k))
     monkeypatch.setattr(fp8_tma, "fp8_tma_linear", lambda x, *a, **k: merged.append(isinstance(x, SplitPartials))
                         or folded.append(k.get("router") is not None) or o_launch(x, *a, **k))
     monkeypatch.setattr(routing, "route_token_triton", lambda *a, **k: routes.append(1) or route(*a, **k))
@@ -191,10 +196,12 @@ def test_fp8_ring_experts_gpu(tmp_path, monkeypatch, fold):
     for eager in (True, False):
         llm = LLM(str(tmp_path / "fp8"), device="cuda", compile_ahead=False, dtype="bfloat16", block_size=16,
                   kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False, enforce_eager=eager,
-                  max_model_len=512, max_num_seqs=1, max_num_batched_tokens=512, fp8_tma_ring_moe_fold=fold)
-        calls.clear(), merged.clear(), routes.clear(), folded.clear()
+                  max_model_len=512, max_num_seqs=1, max_num_batched_tokens=512, fp8_tma_ring_moe_fold=fold,
+                  fp8_tma_ring_moe_fused=fused)
+        calls.clear(), merged.clear(), routes.clear(), folded.clear(), fused_calls.clear()
         outs = llm.generate(prompts, params)
-        assert (calls and any(merged)) or not eager  # (graphs captured the launches at start-up)
+        assert ((calls or fused_calls) and any(merged)) or not eager  # (graphs captured the launches at start-up)
+        assert not eager or (bool(fused_calls) == fused and bool(calls) != fused)
         # fold: the steps whose o projection merges the partials route in it, the others in a routing launch
         assert not eager or (any(folded) == fold and (len(routes) < len(calls)) == fold)
         tokens[eager] = [o.token_ids for o in outs]
