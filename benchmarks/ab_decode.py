@@ -87,6 +87,9 @@ def tuned_plans(variant: str) -> list[tuple[dict | None, object, dict]]:
             ring = key.startswith("ring ")
             out.append((fp8_tma.RING_PLANS if ring else fp8_tma.PLANS, ast.literal_eval(key.removeprefix("ring ")),
                         w["best"]))
+        elif kind == "fused":  # the fused experts' launch: "fused (H, I, top_k)" (kernels/triton/fp8_tma_moe.py)
+            from tandem.kernels.triton import fp8_tma_moe
+            out.append((fp8_tma_moe.FUSED_PLANS, ast.literal_eval(key), w["best"]))
         elif kind == "route":
             from tandem.kernels.triton import routing
             out.append((routing.ROUTE_PLANS, ast.literal_eval(key), w["best"]))

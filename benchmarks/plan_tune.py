@@ -292,10 +292,10 @@ def _plan_tables() -> tuple[dict, ...]:
     from tandem.kernels.triton import fp8_skinny, linear, moe, routing
     tables = (fp8_skinny.PLANS, linear.SKINNY_PLANS, moe.W8A16_PAIRS, routing.ROUTE_PLANS)
     try:
-        from tandem.kernels.triton import fp8_tma
+        from tandem.kernels.triton import fp8_tma, fp8_tma_moe
     except ImportError:  # (no Gluon for Hopper in this Triton)
         return tables
-    return (*tables, fp8_tma.PLANS, fp8_tma.RING_PLANS)
+    return (*tables, fp8_tma.PLANS, fp8_tma.RING_PLANS, fp8_tma_moe.FUSED_PLANS)
 
 
 def _tables(hook: "DecodeAttentionPlan") -> tuple:

@@ -121,3 +121,16 @@ def test_a_tma_split_walk_goes_in_the_tma_table_while_building(tmp_path):
     with ab_decode.plans_installed(ab_decode.tuned_plans(f"plans={f}")):
         assert fp8_tma.ring_plan(4096, 14336, 132) == (4, 8)
     assert fp8_tma.ring_plan(4096, 14336, 132) == (8, 6) and fp8_tma.RING_PLANS == before
+
+
+def test_a_fused_experts_walk_goes_in_its_table_while_building(tmp_path):
+    """"fused (H, I, top_k)" walks (written by hand) set the fused experts launch's plan for those experts
+    (kernels/triton/fp8_tma_moe.py FUSED_PLANS), and only while the variant's engine is built."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from tandem.kernels.triton import fp8_tma_moe
+    f = tmp_path / "fused.json"
+    f.write_text(json.dumps({"walks": [{"what": "fused (2048, 768, 8)", "best": {"STAGES": 6}}]}))
+    assert fp8_tma_moe.fused_plan(2048, 768, 8, 132)["STAGES"] == 11
+    with ab_decode.plans_installed(ab_decode.tuned_plans(f"plans={f}")):
+        assert fp8_tma_moe.fused_plan(2048, 768, 8, 132)["STAGES"] == 6
+    assert fp8_tma_moe.fused_plan(2048, 768, 8, 132)["STAGES"] == 11 and not fp8_tma_moe.FUSED_PLANS
