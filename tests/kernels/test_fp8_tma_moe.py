@@ -99,8 +99,8 @@ def _experts_case(e: int, h: int, inter: int):
 @pytest.mark.parametrize("plan", [{}, {"PER_SM": 2, "SHARES": 2}, {"SPLIT": 2, "STAGES": 4}])
 def test_fused_matches_the_ring_and_the_reference_gpu(e, h, inter, top_k, mode, plan, monkeypatch):
     """kernels.moe.routed_experts for one token with the router GEMM ahead (route_token_triton's logits, ranked by
-    the experts' programs) as one fused launch, against the two-launch ring form (within float32 rounding: w13's
-    K split differs) and the FP8 experts' reference (routing in torch on the bf16 logits); with the pending norm's
+    the experts' programs) as one fused launch, against the two-launch ring form (within 5e-3: w13's K split
+    differs) and the FP8 experts' reference (routing in torch on the bf16 logits); with the pending norm's
     consumer side (1/rms exactly 1/2) and producer side (+ the residual, sg, ss, and sg quantized for the next GEMM
     as quantize_rows_triton would, bit for bit); twice (equal bit for bit: the counters are back at zero), the tickets zero after."""
     from tandem.kernels import KernelConfig
@@ -136,7 +136,8 @@ def test_fused_matches_the_ring_and_the_reference_gpu(e, h, inter, top_k, mode, 
     assert len(calls) == 2
     outs = [o[0] if mode == "norm_out" else o for o in got]
     assert ((outs[0].float() - ref).norm() / ref.norm()).item() < 2e-2
-    assert ((outs[0].float() - outs[2].float()).norm() / outs[2].float().norm()).item() < 1e-3
+    # (w13's sums in another K split round gate and up to bf16 apart in a few places, as the ring's own SiLU forms)
+    assert ((outs[0].float() - outs[2].float()).norm() / outs[2].float().norm()).item() < 5e-3
     assert torch.equal(outs[0], outs[1])
     if mode == "norm_out":
         s, sg, ss, rows = got[0]
