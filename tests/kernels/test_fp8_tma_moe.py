@@ -135,9 +135,9 @@ def test_fused_matches_the_ring_and_the_reference_gpu(e, h, inter, top_k, mode, 
            for c in (fused, fused, ring)]
     assert len(calls) == 2
     outs = [o[0] if mode == "norm_out" else o for o in got]
-    assert ((outs[0].float() - ref).norm() / ref.norm()).item() < 2e-2
     # (w13's sums in another K split round gate and up to bf16 apart in a few places, as the ring's own SiLU forms)
     assert ((outs[0].float() - outs[2].float()).norm() / outs[2].float().norm()).item() < 5e-3
+    assert ((outs[0].float() - ref).norm() / ref.norm()).item() < 2e-2
     assert torch.equal(outs[0], outs[1])
     if mode == "norm_out":
         s, sg, ss, rows = got[0]
