@@ -94,7 +94,8 @@ class KernelConfig:
     fp8_tma_ring_moe_fused: bool = field(default=False, metadata={"help": (
         "with fp8_tma_ring_moe_rank at softmax scoring: those ring experts' w13 and w2 as one persistent launch, "
         "each program's w13 tiles then its w2 tiles through one ring, a w2 item waiting only for its pair's "
-        "activation (kernels/triton/fp8_tma_moe.py); off until measured")})
+        "activation (kernels/triton/fp8_tma_moe.py); its programs wait on one another, so the GPU must not be "
+        "shared with other work; off until measured")})
     fp8_sg_quant: bool = field(default=True, metadata={"help": (
         "at 1 row, a Gluon decode GEMM that leaves the next RMSNorm pending (the TMA o projection, a ring down_proj, "
         "the ring experts' w2) also writes the pending norm's input quantized where the next FP8 GEMM is on the "
