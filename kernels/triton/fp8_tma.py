@@ -45,9 +45,9 @@ CTA_BARRIER = getattr(gl, "barrier", None) or gl.thread_barrier  # 3.9 / 3.6
 
 
 @gluon.jit
-def _pick(v, i: gl.constexpr, layout: gl.constexpr):
-    """Element i of a small vector v every thread holds whole."""
-    return gl.sum(gl.where(gl.arange(0, v.shape[0], layout=layout) == i, v, 0.0), axis=0)
+def _pick(v, i, layout: gl.constexpr):
+    """Element i (a constant or a run-time index) of a small vector v, int or float, every thread holds whole."""
+    return gl.sum(gl.where(gl.arange(0, v.shape[0], layout=layout) == i, v, gl.zeros_like(v)), axis=0)
 
 
 @gluon.jit

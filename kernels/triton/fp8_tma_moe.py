@@ -32,6 +32,8 @@ its w13 items before it waits on any counter.
 Gluon has no interpreter: CPU tests compile it for sm_90; its numbers are checked against the ring form's and the
 reference on a GPU (tests/kernels/test_fp8_tma_moe.py).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -41,25 +43,13 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from tandem.kernels.triton.device import num_sms, tickets
 from tandem.kernels.triton.fp8_tma import (BK, BM, BN, CTA_BARRIER, SMEM_PER_SM, TMA_LOAD, _finish, _key_logit,
-                                           _silu_out, _sg_quant_args, _stamp, _w_desc, _x_desc)
+                                           _pick, _silu_out, _sg_quant_args, _stamp, _w_desc, _x_desc)
 from tandem.kernels.triton.pdl import launch_args
 from tandem.kernels.triton.trace import trace_args
 
 # (H, I, top_k) -> {"SPLIT": w13's K shares a strip, "SHARES": w2's K shares a pair, "PER_SM": programs an SM,
 # "STAGES": ring stages}; a missing key takes fused_plan's rule
 FUSED_PLANS: dict[tuple[int, int, int], dict] = {}
-
-
-@gluon.jit
-def _pick_int(v, i, layout: gl.constexpr):
-    """Element i (a run-time index) of a small int vector v every thread holds whole."""
-    return gl.sum(gl.where(gl.arange(0, v.shape[0], layout=layout) == i, v, 0), axis=0)
-
-
-@gluon.jit
-def _pick_f(v, i, layout: gl.constexpr):
-    """Element i (a run-time index) of a small float vector v every thread holds whole."""
-    return gl.sum(gl.where(gl.arange(0, v.shape[0], layout=layout) == i, v, 0.0), axis=0)
 
 
 @gluon.jit
@@ -107,7 +97,7 @@ def _tile(t, p, n13t, ids, kl: gl.constexpr, PROGS: gl.constexpr, SPLIT13: gl.co
         strip = i // SPLIT13
         share = i % SPLIT13
         pair = strip // STRIPS13
-        w_row = _pick_int(ids, pair, kl) * STRIPS13 + strip % STRIPS13
+        w_row = _pick(ids, pair, kl) * STRIPS13 + strip % STRIPS13
         kk = share * T13 + kt
     else:
         t2 = t - n13t
@@ -116,7 +106,7 @@ def _tile(t, p, n13t, ids, kl: gl.constexpr, PROGS: gl.constexpr, SPLIT13: gl.co
         strip = q % S2
         share = q // S2  # pair * SHARES + the pair's K share: w2's split-K index
         pair = share // SHARES
-        w_row = _pick_int(ids, pair, kl) * S2 + strip
+        w_row = _pick(ids, pair, kl) * S2 + strip
         kk = share % SHARES * T2 + kt
     return is13, strip, share, pair, w_row, kk, kt
 
@@ -213,7 +203,7 @@ def _fp8_tma_moe_kernel(w13_desc, w2_desc, x_desc, xs_ptr, s13_ptr, s2_ptr, logi
     e13 = gl.zeros([TV_PAD], gl.int32, vec)
     e2 = gl.zeros([TV_PAD], gl.int32, vec)
     for k in gl.static_range(TOP_K):
-        e = _pick_int(ids, k, kl)
+        e = _pick(ids, k, kl)
         e13 = gl.where(pair13 == k, e, e13)
         e2 = gl.where(pair2 == k, e, e2)
     kk13 = i13 % SPLIT13 * T13 + tv % T13
@@ -264,7 +254,7 @@ def _fp8_tma_moe_kernel(w13_desc, w2_desc, x_desc, xs_ptr, s13_ptr, s2_ptr, logi
                                  cache_modifier=".cg")
                     x2_smem.index(j).store(xt)
                 asv = gl.load(as_ptr + pair * HALF + (share % SHARES) * T2 + kv, mask=kv < T2, other=0.0,
-                              cache_modifier=".cg") * _pick_f(rw, pair, kl)
+                              cache_modifier=".cg") * _pick(rw, pair, kl)
                 fence_async_shared()
                 CTA_BARRIER()  # the x tiles are in shared memory before the warpgroup reads them
                 if gl.atomic_add(ticket_ptr + READERS + pair, 1, sem="acq_rel", scope="gpu") == S2 * SHARES - 1:
@@ -277,10 +267,10 @@ def _fp8_tma_moe_kernel(w13_desc, w2_desc, x_desc, xs_ptr, s13_ptr, s2_ptr, logi
         zero = gl.zeros([BN_, BM_], gl.float32, mma)
         if is13:
             d = warpgroup_mma(w_smem.index(st), x_smem.index(st).permute((1, 0)), zero, use_acc=False)
-            acc += d * (_pick_f(xsv, t, vec) * _pick_f(wsv, t, vec))
+            acc += d * (_pick(xsv, t, vec) * _pick(wsv, t, vec))
         else:
             d = warpgroup_mma(w_smem.index(st), x2_smem.index(kt).permute((1, 0)), zero, use_acc=False)
-            acc += d * (_pick_f(asv, kt, vec) * _pick_f(wsv, t, vec))
+            acc += d * (_pick(asv, kt, vec) * _pick(wsv, t, vec))
         if t + STAGES < n_t:  # the wgmma above is synchronous: stage st is free again
             _issue(t + STAGES, p, n13t, ids, kl, w13_desc, w2_desc, x_desc, bars.index(st), w_smem.index(st),
                    x_smem.index(st), PROGS, SPLIT13, T13, STRIPS13, S2, SHARES, T2)
@@ -317,12 +307,19 @@ def fused_plan(h: int, inter: int, top_k: int, sms: int) -> dict:
     progs = sms * plan["PER_SM"]
     items13, t13 = top_k * 2 * inter // BN * plan["SPLIT"], h // BK // plan["SPLIT"]
     items2, t2 = h // BN * top_k * plan["SHARES"], inter // BK // plan["SHARES"]
-    tiles = max(len(range(p, items13, progs)) * t13 + len(range(progs - 1 - p, items2, progs)) * t2
-                for p in range(progs))
+    tiles = _longest(items13, t13, items2, t2, progs)
     stage = BN * BK + BM * BK
     room = SMEM_PER_SM // plan["PER_SM"] - t2 * BM * BK - 2048
     plan.setdefault("STAGES", max(1, min(tiles, room // stage)))
     return {**plan, "PROGS": progs, "TILES": tiles}
+
+
+@functools.cache
+def _longest(items13: int, t13: int, items2: int, t2: int, progs: int) -> int:
+    """The most tiles a program runs: program p takes w13 items p, p + progs, ... and w2 items progs - 1 - p, ...
+    (asked for every launch and supports check: cached)."""
+    return max(len(range(p, items13, progs)) * t13 + len(range(progs - 1 - p, items2, progs)) * t2
+               for p in range(progs))
 
 
 def fused_supports(h: int, inter: int, top_k: int, num_experts: int) -> bool:
